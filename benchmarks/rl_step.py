@@ -1,0 +1,91 @@
+"""RL step time on the tiny preset, split into rollout / old log-probs / shadow passes / update,
+for BF16 and full-pipeline FP8 (emulated) measured side by side in one run, as ratios to BF16.
+
+Targets (issue 4): a full-pipeline FP8 step costs at most 1.5x a BF16 step; Calibrated Clipping at
+K = 20 adds at most 5% to the average step (its two BF16 shadow forwards every K steps).
+
+    .venv/bin/python benchmarks/rl_step.py [--steps 3] [--out results/bench/rl_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _provenance import write_json  # noqa: E402
+
+from fp8rl.config import RunConfig  # noqa: E402
+from fp8rl.trainer.loop import RLTrainer  # noqa: E402
+
+PHASES = ("time/rollout", "time/old_logp", "time/shadow", "time/update", "time/step")
+CONFIGS = {
+    "bf16": {"precision.mode": "bf16"},
+    "fp8_full-tensorwise": {"precision.mode": "fp8_full", "precision.recipe": "tensorwise"},
+    "fp8_full-rowwise": {"precision.mode": "fp8_full", "precision.recipe": "rowwise"},
+    "fp8_full-blockwise": {"precision.mode": "fp8_full", "precision.recipe": "blockwise"},
+    "fp8_full-mxfp8": {"precision.mode": "fp8_full", "precision.recipe": "mxfp8"},
+    "fp8_full-tensorwise+shadow": {
+        "precision.mode": "fp8_full",
+        "precision.recipe": "tensorwise",
+        "trainer.shadow_every": 1,
+    },
+}
+
+
+def bench_config(overrides: dict, args: argparse.Namespace) -> RunConfig:
+    cfg = RunConfig()
+    cfg.tracking.enabled = False
+    cfg.trainer.out_dir = "/tmp/fp8rl-bench-rl-step"
+    cfg.warmstart.steps = args.warmstart_steps
+    cfg.algo.prompts_per_step = args.prompts
+    for dotted, value in overrides.items():
+        section, field = dotted.split(".")
+        setattr(getattr(cfg, section), field, value)
+    return cfg
+
+
+def time_steps(cfg: RunConfig, steps: int) -> dict[str, float]:
+    trainer = RLTrainer(cfg)
+    trainer.train_step(0)  # warm-up (allocator, first-call costs)
+    samples = [trainer.train_step(step).metrics for step in range(1, steps + 1)]
+    return {phase: statistics.median(s[phase] for s in samples) for phase in PHASES}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per config (after one warm-up)")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step (x group size 8)")
+    parser.add_argument("--warmstart-steps", type=int, default=300)
+    parser.add_argument("--interval", type=int, default=20, help="calibration interval K for the overhead estimate")
+    parser.add_argument("--out", type=str, default=None)
+    args = parser.parse_args()
+
+    started = time.time()
+    results = {name: time_steps(bench_config(overrides, args), args.steps) for name, overrides in CONFIGS.items()}
+    base = results["bf16"]["time/step"]
+    print(f"{'config':30s} " + " ".join(f"{p.split('/')[1]:>9s}" for p in PHASES) + "   x BF16 step")
+    for name, phases in results.items():
+        print(f"{name:30s} " + " ".join(f"{phases[p]:9.3f}" for p in PHASES) + f"   {phases['time/step'] / base:6.2f}")
+    fp8 = results["fp8_full-tensorwise"]["time/step"]
+    shadow = results["fp8_full-tensorwise+shadow"]["time/shadow"]
+    calib_overhead = shadow / args.interval / fp8
+    summary = {
+        "fp8_tensorwise_step_over_bf16": fp8 / base,
+        **{f"{n}_step_over_bf16": r["time/step"] / base for n, r in results.items()},
+        "calibrated_K_overhead_fraction": calib_overhead,
+        "interval_K": args.interval,
+        "targets": {"fp8_step_over_bf16_max": 1.5, "calibration_overhead_max": 0.05},
+    }
+    print(f"full-pipeline FP8 (tensorwise) step / BF16 step = {fp8 / base:.2f} (target <= 1.5)")
+    print(f"Calibrated Clipping at K={args.interval}: +{100 * calib_overhead:.2f}% of the FP8 step (target <= 5%)")
+    print(f"({time.time() - started:.0f} s, {args.steps} timed steps per config, median)")
+    write_json(args.out, {"benchmark": "rl_step", "args": vars(args), "seconds": results, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()

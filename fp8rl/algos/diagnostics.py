@@ -1,0 +1,181 @@
+"""Diagnostics of the clipped objective, of FP8 vs BF16 ratios and of the rollout/train mismatch.
+
+All functions take (batch, response_len) tensors (``adv`` may be (batch,)), a response mask, and return
+``Metrics``: a dict of namespaced 0-d detached tensors (see :func:`fp8rl.algos.metrics_to_floats`).
+
+Denominators (project convention), over masked tokens only, with A the advantage and r the ratio:
+
+- ``clip/low_neg``  = #{A < 0, r <= low}  / #{A < 0}: negative tokens whose gradient is zeroed
+  (the over-clipping the paper is about);
+- ``clip/high_pos`` = #{A > 0, r >= high} / #{A > 0}: positive tokens whose gradient is zeroed;
+- ``clip/low_pos``  = #{A > 0, r <= low}  / #{A > 0} and ``clip/high_neg`` = #{A < 0, r >= high} / #{A < 0}:
+  outside the trust region but still carrying gradient under PPO clip;
+- ``clip/frac`` = (#low_neg + #high_pos) / #masked: the fraction of all masked tokens (A = 0 included)
+  whose gradient the clip zeroes (verl's ``pg_clipfrac``, with inclusive bounds).
+
+"Contribution" of a sign (the project's reading of the paper's update contribution, see
+``calibration.py``): contrib_pos = sum_{A > 0, r < high} A r, contrib_neg = sum_{A < 0, r > low} |A| r,
+i.e. |A| r summed over the tokens of that sign that carry gradient. ``clip/p`` = contrib_pos / contrib_neg
+(0 when contrib_neg = 0); the contributions themselves are logged divided by #masked so they do not scale
+with the batch size (``p`` is unaffected). Every quantity over an empty selection is 0 (quantiles: 1.0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8rl.algos.masked import (
+    Metrics,
+    as_bool_mask,
+    at_least_float32,
+    expand_adv,
+    masked_fraction,
+    masked_mean,
+    masked_quantiles,
+    safe_div,
+)
+
+RATIO_QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)
+LOG_RATIO_CLAMP = 20.0  # |log ratio| beyond this is clamped before exp (verl clamps at 20 as well)
+
+
+@torch.no_grad()
+def clip_fraction_metrics(
+    ratio: torch.Tensor, adv: torch.Tensor, response_mask: torch.Tensor, clip_low: float, clip_high: float
+) -> Metrics:
+    """Clip fractions split by bound and advantage sign (denominators in the module docstring)."""
+    mask = as_bool_mask(response_mask)
+    adv = expand_adv(adv, ratio)
+    negative, positive = mask & (adv < 0), mask & (adv > 0)
+    below, above = ratio <= clip_low, ratio >= clip_high
+    zeroed = (negative & below) | (positive & above)
+    return {
+        "clip/low_neg": masked_fraction(below, negative),
+        "clip/high_pos": masked_fraction(above, positive),
+        "clip/low_pos": masked_fraction(below, positive),
+        "clip/high_neg": masked_fraction(above, negative),
+        "clip/frac": masked_fraction(zeroed, mask),
+    }
+
+
+def sign_contributions(
+    ratio: torch.Tensor, adv: torch.Tensor, response_mask: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(contrib_pos, contrib_neg), 0-d float64: sum of |A| r over the tokens of each sign carrying gradient."""
+    mask = as_bool_mask(response_mask)
+    adv, ratio = expand_adv(adv, ratio).detach(), ratio.detach()
+    # compare in the ratio's own dtype, as the loss does; accumulate in float64
+    carries_pos = mask & (adv > 0) & (ratio < clip_high)  # A > 0 unclipped: r < high
+    carries_neg = mask & (adv < 0) & (ratio > clip_low)  # A < 0 unclipped: r > low
+    weighted = adv.abs() * ratio
+    zero = weighted.new_zeros(())
+    contrib_pos = torch.where(carries_pos, weighted, zero).sum(dtype=torch.float64)
+    contrib_neg = torch.where(carries_neg, weighted, zero).sum(dtype=torch.float64)
+    return contrib_pos, contrib_neg
+
+
+@torch.no_grad()
+def contribution_metrics(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    prefix: str = "clip/",
+) -> Metrics:
+    """``{prefix}contrib_pos``, ``{prefix}contrib_neg`` (per masked token) and ``{prefix}p`` = pos / neg."""
+    contrib_pos, contrib_neg = sign_contributions(ratio, adv, response_mask, clip_low, clip_high)
+    count = as_bool_mask(response_mask).sum().to(torch.float64)
+    return {
+        f"{prefix}contrib_pos": safe_div(contrib_pos, count).float(),
+        f"{prefix}contrib_neg": safe_div(contrib_neg, count).float(),
+        f"{prefix}p": safe_div(contrib_pos, contrib_neg).float(),
+    }
+
+
+@torch.no_grad()
+def ratio_quantile_metrics(ratio: torch.Tensor, response_mask: torch.Tensor, prefix: str = "actor/ratio") -> Metrics:
+    """``actor/ratio_q01 .. _q99`` and ``actor/ratio_mean`` over masked tokens (1.0 when all masked)."""
+    mask = as_bool_mask(response_mask)
+    values = masked_quantiles(ratio, mask, RATIO_QUANTILES)
+    metrics = {f"{prefix}_q{round(q * 100):02d}": values[i] for i, q in enumerate(RATIO_QUANTILES)}
+    metrics[f"{prefix}_mean"] = masked_mean(ratio.detach(), mask)
+    return metrics
+
+
+@torch.no_grad()
+def overclip_metrics(
+    ratio_ref: torch.Tensor,
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    low: float,
+    high: float,
+    ref_low: float,
+    ref_high: float,
+    *,
+    with_fp8_contributions: bool = True,
+) -> Metrics:
+    """FP8 clipping (``ratio`` with [low, high]) vs BF16 clipping (``ratio_ref`` with [ref_low, ref_high]).
+
+    ``clip/overclip_neg``: negative tokens clipped in FP8 but not in BF16, / #{A < 0};
+    ``clip/underclip_neg``: the reverse; ``clip/overclip_pos`` / ``clip/underclip_pos`` likewise at the upper
+    bound, / #{A > 0}; ``clip/ref_low_neg``, ``clip/ref_high_pos``: BF16 clip fractions; contributions and
+    p for both (``clip/contrib_*``, ``clip/p``, ``clip/ref_contrib_*``, ``clip/ref_p``);
+    ``fp8/log_ratio_abs_diff``: mean |log ratio - log ratio_ref|. ``with_fp8_contributions=False`` skips
+    ``clip/contrib_*`` and ``clip/p`` (the loss has computed them already).
+    """
+    mask = as_bool_mask(response_mask)
+    adv = expand_adv(adv, ratio)
+    negative, positive = mask & (adv < 0), mask & (adv > 0)
+    fp8_low, ref_low_hit = ratio <= low, ratio_ref <= ref_low
+    fp8_high, ref_high_hit = ratio >= high, ratio_ref >= ref_high
+    log_diff = torch.log(at_least_float32(ratio) / at_least_float32(ratio_ref))
+    metrics = {
+        "clip/overclip_neg": masked_fraction(fp8_low & ~ref_low_hit, negative),
+        "clip/underclip_neg": masked_fraction(~fp8_low & ref_low_hit, negative),
+        "clip/overclip_pos": masked_fraction(fp8_high & ~ref_high_hit, positive),
+        "clip/underclip_pos": masked_fraction(~fp8_high & ref_high_hit, positive),
+        "clip/ref_low_neg": masked_fraction(ref_low_hit, negative),
+        "clip/ref_high_pos": masked_fraction(ref_high_hit, positive),
+        "fp8/log_ratio_abs_diff": masked_mean(log_diff.abs(), mask),
+    }
+    if with_fp8_contributions:
+        metrics.update(contribution_metrics(ratio, adv, mask, low, high, prefix="clip/"))
+    metrics.update(contribution_metrics(ratio_ref, adv, mask, ref_low, ref_high, prefix="clip/ref_"))
+    return metrics
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy (batch, response_len) of softmax(logits), logits (batch, response_len, vocab)."""
+    logits = at_least_float32(logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # H = log Z - sum_v p_v z_v
+
+
+@torch.no_grad()
+def entropy_metrics(entropy: torch.Tensor, response_mask: torch.Tensor) -> Metrics:
+    """``actor/entropy``: mean per-token entropy over masked tokens; entropy (batch, response_len)."""
+    return {"actor/entropy": masked_mean(entropy.detach(), as_bool_mask(response_mask))}
+
+
+@torch.no_grad()
+def rollout_mismatch_metrics(
+    logp_train: torch.Tensor, logp_rollout: torch.Tensor, response_mask: torch.Tensor
+) -> Metrics:
+    """Train/rollout mismatch over masked tokens, log-probs (batch, response_len).
+
+    ``rollout/abs_logp_diff``: mean |logp_train - logp_rollout|; ``rollout/max_abs_logp_diff``;
+    ``rollout/token_mult_prob_error``: mean exp(|diff|) (NeMo-RL; > 1.05 signals trouble);
+    ``rollout/k3_kl``: k3 estimate of KL(pi_rollout || pi_train) from the rollout's samples,
+    mean of exp(d) - 1 - d with d = logp_train - logp_rollout. |d| is clamped at 20 before exp.
+    """
+    mask = as_bool_mask(response_mask)
+    diff = torch.where(mask, at_least_float32(logp_train) - at_least_float32(logp_rollout), 0)
+    diff = diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {
+        "rollout/abs_logp_diff": masked_mean(diff.abs(), mask),
+        "rollout/max_abs_logp_diff": diff.abs().max() if diff.numel() else diff.new_zeros(()),
+        "rollout/token_mult_prob_error": masked_mean(torch.exp(diff.abs()), mask),
+        "rollout/k3_kl": masked_mean(torch.exp(diff) - 1 - diff, mask),  # k3 with r = pi_train / pi_rollout
+    }

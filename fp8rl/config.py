@@ -1,0 +1,286 @@
+"""One typed config per run: dataclasses registered with Hydra's ConfigStore, validated once at launch.
+
+The YAML groups in `sweeps/` only override what differs from these defaults. `validate(cfg)` is the
+single place where impossible combinations fail, with a message that says what to change; it runs
+before any model, engine or tracker is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_full")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_BACKENDS = ("emulated", "te")
+CLIP_POLICIES = ("standard", "calibrated")
+ROLLOUT_CORRECTIONS = ("none", "tis_token", "tis_seq", "mis_token", "mis_seq")
+ROLLOUT_ENGINES = ("builtin", "vllm")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class AlgoConfig:
+    """The RL objective (GRPO and DAPO are presets of these fields)."""
+
+    name: str = "grpo"  # label of the preset ("grpo", "dapo")
+    advantage: str = "grpo"  # advantage estimator registry key ("grpo", "rloo")
+    norm_adv_by_std: bool = True  # GRPO's std normalization; False = Dr.GRPO
+    policy_loss: str = "ppo_clip"  # policy-loss registry key ("ppo_clip", "dual_clip")
+    eps_low: float = 0.2  # standard lower clip bound is 1 - eps_low
+    eps_high: float = 0.2  # standard upper clip bound is 1 + eps_high (DAPO clip-higher: 0.28)
+    dual_clip_c: float = 3.0  # dual-clip constant (used by "dual_clip")
+    loss_agg: str = "seq-mean-token-mean"  # loss aggregation mode (DAPO: "token-mean")
+    kl_coef: float = 0.0  # weight of the KL penalty to the reference (warm-start) policy; 0 = off
+    kl_type: str = "low_var_kl"  # "k1", "k2" or "low_var_kl" (k3)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    overlong_buffer: int = 0  # DAPO overlong shaping buffer length in tokens; 0 = off
+    overlong_factor: float = 1.0  # DAPO overlong penalty factor
+    group_size: int = 8  # G responses per prompt
+    prompts_per_step: int = 32  # prompts per RL step (batch = prompts_per_step * group_size)
+    num_minibatches: int = 4  # PPO mini-batch updates per step (>= 2 for calibrated clipping)
+    ppo_epochs: int = 1  # passes over the step's batch
+    lr: float = 1e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global grad norm
+    entropy_coef: float = 0.0  # entropy bonus weight (0 = off, as in the paper)
+
+
+@dataclass
+class PrecisionConfig:
+    """Where FP8 enters the pipeline."""
+
+    mode: str = "bf16"  # "bf16", "fp8_rollout" (rollout FP8, trainer BF16), "fp8_full" (rollout + trainer FP8)
+    recipe: str = "tensorwise"  # FP8 scaling granularity: tensorwise, rowwise, blockwise, mxfp8
+    fmt: str = "e4m3"  # "e4m3" everywhere or "hybrid" (E5M2 gradients)
+    scaling: str = "current"  # tensorwise only: "current" or "delayed"
+    backend: str = "emulated"  # "emulated" (fp8rl.quant, any device) or "te" (Transformer Engine, GPU)
+    fp8_kv_cache: bool = False  # FP8 KV cache in the rollout (vLLM engine only)
+
+
+@dataclass
+class ClippingConfig:
+    """Clip bounds and rollout corrections."""
+
+    policy: str = "standard"  # "standard" or "calibrated" (Calibrated Clipping)
+    interval: int = 20  # calibrated: recalibrate every K steps
+    init_low: float | None = None  # calibrated: bounds before the first calibration (None = 1 - eps_low)
+    init_high: float | None = None  # calibrated: (None = 1 + eps_high)
+    ema: float = 0.0  # calibrated: smoothing of bound updates, new = ema * old + (1 - ema) * calibrated
+    lower_only: bool = False  # calibrated: ablation that calibrates only the lower bound
+    rollout_correction: str = "none"  # "none", "tis_token", "tis_seq", "mis_token", "mis_seq"
+    tis_cap: float = 2.0  # TIS truncation C
+    mis_low: float = 0.5  # MIS / IcePop: keep tokens with rollout ratio in [mis_low, mis_high]
+    mis_high: float = 2.0
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout engine and sampling."""
+
+    engine: str = "builtin"  # "builtin" (same Megatron model, KV cache) or "vllm"
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus mass; 1 = off
+    max_new_tokens: int | None = None  # None = the task's response limit
+
+
+@dataclass
+class ModelSection:
+    """Which model preset (see fp8rl.models.config) and its device."""
+
+    preset: str = "tiny"  # "tiny", "qwen3_8b", "qwen3_14b", "qwen2_5_32b"
+    device: str = "cpu"  # "cpu" or "cuda"
+
+
+@dataclass
+class TaskSection:
+    """The verifiable-reward task."""
+
+    name: str = "arithmetic"  # task registry key
+    operations: str = "+"  # arithmetic operations
+    num_digits: int = 3  # operand digits
+    num_train: int = 20000  # training prompts
+    num_eval: int = 256  # held-out eval prompts
+    seed: int = 0  # fixes the problem sets
+
+
+@dataclass
+class WarmStartSection:
+    """Supervised warm start (cached by config hash)."""
+
+    steps: int = 300  # SFT steps
+    batch_size: int = 256  # SFT batch
+    lr: float = 1e-3  # SFT learning rate
+    seed: int = 0  # SFT seed
+    cache_dir: str = ".cache/warmstart"  # where warm starts are cached
+
+
+@dataclass
+class TrainerConfig:
+    """The RL loop."""
+
+    steps: int = 100  # RL steps
+    seed: int = 0  # seeds prompts, sampling and everything else
+    eval_every: int = 10  # greedy eval every N steps (and at the end); 0 = only at the end
+    eval_size: int = 256  # eval prompts used
+    checkpoint_every: int = 10  # checkpoint every N steps; 0 = only at the end
+    keep_checkpoints: int = 2  # most recent checkpoints kept
+    out_dir: str = "outputs/run"  # checkpoints and run files
+    max_bad_steps: int = 3  # stop after this many non-finite steps in a row
+    shadow_every: int = 0  # fp8_full: BF16 shadow diagnostics (over-clip rates) every N steps; 0 = calibration only
+    log_ratio_histograms: bool = True  # log BF16-shadow vs FP8 ratio histograms as artifacts
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow tracking."""
+
+    enabled: bool = True  # False = no MLflow (tests)
+    tracking_uri: str | None = None  # None = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working dir
+    experiment: str = "fp8rl"  # MLflow experiment
+    run_name: str | None = None  # MLflow run name (default: derived from the config)
+    parent_run_id: str | None = None  # nest this run under a sweep's parent run
+    tags: dict[str, str] = field(default_factory=dict)  # extra tags (sweep axes)
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs."""
+
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    clipping: ClippingConfig = field(default_factory=ClippingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    warmstart: WarmStartSection = field(default_factory=WarmStartSection)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says what to change."""
+
+
+def _one_of(value: Any, valid: tuple, where: str) -> None:
+    if value not in valid:
+        raise ConfigError(f"{where}={value!r} is not valid; choose one of {list(valid)}")
+
+
+def validate(cfg: RunConfig, cuda_available: bool = False) -> RunConfig:
+    """Check every field and combination; raise ConfigError naming the override to change."""
+    a, p, c, r = cfg.algo, cfg.precision, cfg.clipping, cfg.rollout
+    _one_of(p.mode, PRECISION_MODES, "precision.mode")
+    _one_of(p.recipe, RECIPES, "precision.recipe")
+    _one_of(p.fmt, FP8_FORMATS, "precision.fmt")
+    _one_of(p.backend, FP8_BACKENDS, "precision.backend")
+    _one_of(p.scaling, ("current", "delayed"), "precision.scaling")
+    _one_of(c.policy, CLIP_POLICIES, "clipping.policy")
+    _one_of(c.rollout_correction, ROLLOUT_CORRECTIONS, "clipping.rollout_correction")
+    _one_of(r.engine, ROLLOUT_ENGINES, "rollout.engine")
+    _one_of(a.loss_agg, LOSS_AGGREGATIONS, "algo.loss_agg")
+    _one_of(cfg.model.device, DEVICES, "model.device")
+    if p.scaling == "delayed" and p.recipe != "tensorwise":
+        raise ConfigError("precision.scaling=delayed exists only for precision.recipe=tensorwise")
+    if a.group_size < 2:
+        raise ConfigError(f"algo.group_size={a.group_size}: group advantages need at least 2 samples per prompt")
+    batch = a.prompts_per_step * a.group_size
+    if batch % a.num_minibatches:
+        raise ConfigError(
+            f"batch {batch} (algo.prompts_per_step * algo.group_size) is not divisible by "
+            f"algo.num_minibatches={a.num_minibatches}; change one of them"
+        )
+    if (batch // a.num_minibatches) % a.group_size:
+        raise ConfigError(
+            f"a mini-batch of {batch // a.num_minibatches} sequences splits groups of {a.group_size}; make "
+            "algo.prompts_per_step divisible by algo.num_minibatches"
+        )
+    if not 0 < a.eps_low < 1 or a.eps_high <= 0:
+        raise ConfigError(f"need 0 < algo.eps_low < 1 and algo.eps_high > 0, got {a.eps_low}, {a.eps_high}")
+    low = c.init_low if c.init_low is not None else 1 - a.eps_low
+    high = c.init_high if c.init_high is not None else 1 + a.eps_high
+    if not 0 < low < 1 < high:
+        raise ConfigError(f"clip bounds must satisfy 0 < low < 1 < high, got clipping.init_low={low}, init_high={high}")
+    if c.policy == "calibrated":
+        if a.num_minibatches * a.ppo_epochs < 2:
+            raise ConfigError(
+                "clipping.policy=calibrated compares ratios after an update: set algo.num_minibatches >= 2 "
+                "or algo.ppo_epochs >= 2"
+            )
+        if c.interval < 1:
+            raise ConfigError(f"clipping.interval={c.interval} must be >= 1")
+        if not 0 <= c.ema < 1:
+            raise ConfigError(f"clipping.ema={c.ema} must be in [0, 1)")
+        if p.mode != "fp8_full":
+            raise ConfigError(
+                "clipping.policy=calibrated aligns FP8 trainer ratios with BF16 ones: it needs precision.mode=fp8_full"
+            )
+    if c.rollout_correction.startswith("tis") and c.tis_cap <= 0:
+        raise ConfigError(f"clipping.tis_cap={c.tis_cap} must be > 0")
+    if c.rollout_correction.startswith("mis") and not 0 < c.mis_low < 1 < c.mis_high:
+        raise ConfigError("need 0 < clipping.mis_low < 1 < clipping.mis_high")
+    if p.mode == "bf16" and cfg.precision.fp8_kv_cache:
+        raise ConfigError("precision.fp8_kv_cache=true needs an FP8 precision.mode (fp8_rollout or fp8_full)")
+    if p.fp8_kv_cache and r.engine != "vllm":
+        raise ConfigError("precision.fp8_kv_cache is implemented by the vLLM engine only: set rollout.engine=vllm")
+    if r.engine == "vllm":
+        raise ConfigError("rollout.engine=vllm is not available in this build yet; use rollout.engine=builtin")
+    if p.backend == "te" and not cuda_available:
+        raise ConfigError(
+            "precision.backend=te (Transformer Engine) needs a CUDA GPU and none was found; "
+            "use precision.backend=emulated on CPU"
+        )
+    if cfg.model.device == "cuda" and not cuda_available:
+        raise ConfigError("model.device=cuda but no CUDA device was found; use model.device=cpu")
+    if cfg.model.device == "cpu" and cfg.model.preset != "tiny":
+        raise ConfigError(f"model.preset={cfg.model.preset} is a GPU-scale model; on this CPU use model.preset=tiny")
+    if r.temperature <= 0:
+        raise ConfigError(
+            "rollout.temperature must be > 0 for RL sampling (log-probs of a greedy policy are degenerate)"
+        )
+    if a.lr <= 0:
+        raise ConfigError(f"algo.lr={a.lr} must be > 0")
+    if cfg.trainer.shadow_every < 0:
+        raise ConfigError("trainer.shadow_every must be >= 0")
+    if cfg.trainer.shadow_every and (a.num_minibatches * a.ppo_epochs < 2):
+        raise ConfigError("trainer.shadow_every compares ratios after an update: set algo.num_minibatches >= 2")
+    if cfg.trainer.steps < 1:
+        raise ConfigError("trainer.steps must be >= 1")
+    return cfg
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain nested dict of the config (for hashing, logging and YAML)."""
+    return dataclasses.asdict(cfg)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def from_dict(d: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from a nested dict (e.g. OmegaConf.to_container of the Hydra config)."""
+    sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+    kwargs = {}
+    for name, value in d.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section {name!r}; valid sections: {sorted(sections)}")
+        section_cls = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}[name]().__class__
+        known = {f.name for f in dataclasses.fields(section_cls)}
+        unknown = set(value) - known
+        if unknown:
+            raise ConfigError(f"unknown field(s) {sorted(unknown)} in section {name!r}; valid: {sorted(known)}")
+        kwargs[name] = section_cls(**value)
+    return RunConfig(**kwargs)

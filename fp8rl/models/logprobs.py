@@ -1,0 +1,91 @@
+"""Per-token log-probs and entropy of response tokens under a megatron GPTModel.
+
+Batch layout the trainer should use (verl's): ``input_ids = [prompt | response]`` with prompts
+LEFT-padded and responses RIGHT-padded, so every response starts at the same column and the last
+``response_len`` columns are the response. ``attention_mask`` (b, s) is 1 on real tokens, 0 on pads.
+
+Masking: megatron's local attention takes a boolean (b, 1, sq, sk) mask, True = masked; we pass
+causal AND key-is-pad. RoPE in megatron's GPTModel ignores ``position_ids`` (it rotates by column
+index); because RoPE scores depend only on the distance between query and key, a left-padded row
+gives the same scores as the unpadded sequence. ``position_ids`` are still passed (from the mask) so
+a learned-absolute embedding would also be right.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def causal_padding_mask(attention_mask: Tensor) -> Tensor:
+    """(b, s) with 1 = token, 0 = pad -> (b, 1, s, s) bool, True where the key is in the future or a pad."""
+    seq_len = attention_mask.size(1)
+    future = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=attention_mask.device), diagonal=1)
+    pad_key = ~attention_mask.bool()[:, None, None, :]
+    return future[None, None] | pad_key
+
+
+def decode_step_mask(attention_mask: Tensor) -> Tensor:
+    """Mask for one new query over all cached keys: (b, k) with 1 = token -> (b, 1, 1, k) bool, True = masked."""
+    return ~attention_mask.bool()[:, None, None, :]
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """(b, s) -> (b, s) long: 0, 1, 2, ... over the real tokens of each row, 0 on left pads."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def forward_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Logits of ``model`` for a padded batch: input_ids (b, s), attention_mask (b, s) -> (b, s, vocab)."""
+    return model(
+        input_ids,
+        position_ids_from_mask(attention_mask),
+        causal_padding_mask(attention_mask),
+    )
+
+
+def logprobs_and_entropy_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """log pi(token) and entropy of pi = softmax(logits / temperature), both in fp32.
+
+    logits (..., vocab), tokens (...) -> (logp (...), entropy (...)).
+    """
+    scaled = logits.float() / temperature
+    log_probs = F.log_softmax(scaled, dim=-1)
+    token_logp = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return token_logp, entropy
+
+
+def token_logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_len: int,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Log-prob and entropy of the last ``response_len`` tokens of each row.
+
+    input_ids, attention_mask: (b, s) in the layout described in the module docstring.
+    Returns (logp, entropy), each (b, response_len) fp32; values at response pads are meaningless
+    and must be masked by the caller (``attention_mask[:, -response_len:]``).
+    ``temperature`` must match the rollout's so the ratio compares the same distributions.
+    """
+    if not 0 < response_len < input_ids.size(1):
+        raise ValueError(f"response_len={response_len} must be in (0, {input_ids.size(1)})")
+    logits = forward_logits(model, input_ids, attention_mask)
+    # The logit at column t predicts token t + 1.
+    response_logits = logits[:, -response_len - 1 : -1]
+    return logprobs_and_entropy_from_logits(response_logits, input_ids[:, -response_len:], temperature)
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists -> (input_ids (b, s) long, attention_mask (b, s) long, 1 = token)."""
+    width = max(len(seq) for seq in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            input_ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            attention_mask[row, width - len(seq) :] = 1
+    return input_ids, attention_mask

@@ -1,0 +1,46 @@
+"""The built-in rollout engine: the trainer's own Megatron model, KV-cached sampling, any precision.
+
+It shares the trainer's weights, so `sync_weights` costs nothing; its precision (BF16 or an emulated
+FP8 recipe) is set per call, independently of the trainer's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8rl.models.generate import SamplingConfig, generate
+from fp8rl.models.gpt import compute_precision, fp8_autocast
+from fp8rl.models.logprobs import left_pad
+from fp8rl.rollout.base import RolloutBatch
+
+
+class BuiltinEngine:
+    """Samples from `model` with the FP8 `recipe` (None = BF16) on its block linears."""
+
+    name = "builtin"
+
+    def __init__(self, model: torch.nn.Module, recipe, pad_id: int, compute: str = "bf16") -> None:
+        self.model = model
+        self.recipe = recipe
+        self.pad_id = pad_id
+        self.compute = compute
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> RolloutBatch:
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
+        with torch.no_grad(), compute_precision(self.compute), fp8_autocast(self.model, self.recipe):
+            out = generate(self.model, prompt_ids, prompt_mask, sampling, generator)
+        return RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=out.tokens,
+            response_mask=out.response_mask,
+            rollout_logp=out.logprobs,
+            rollout_entropy=out.entropy,
+        )
+
+    def sync_weights(self, model: torch.nn.Module) -> float:
+        if model is not self.model:
+            raise ValueError("the built-in engine samples from the trainer's own model; pass that model")
+        return 0.0

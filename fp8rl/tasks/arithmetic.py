@@ -1,0 +1,150 @@
+"""Multi-digit arithmetic with exact-match rewards: a local, deterministic verifiable-reward task.
+
+Prompt ``"<bos>123+456="``, reference response ``"579<eos>"``. Operands are drawn uniformly from
+0 .. 10^num_digits - 1 (written without leading zeros). The eval set is drawn first, then the
+train set from the remaining problems, so the two are disjoint; both depend only on the config.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fp8rl.tasks.base import Problem, register_task
+from fp8rl.tasks.tokenizer import CharTokenizer, build_char_tokenizer
+
+DIGITS = "0123456789"
+OPERATIONS = "+-*"
+ALPHABET = DIGITS + OPERATIONS + "="
+ANSWER_CHARS = DIGITS + "-"
+ANSWER_PATTERN = re.compile(r"-?[0-9]+")
+_ENUMERATE_BELOW = 100_000  # universes up to this size are enumerated and shuffled, larger ones sampled
+
+
+@dataclass(frozen=True)
+class ArithmeticConfig:
+    """Which arithmetic problems to pose."""
+
+    name: str = "arithmetic"  # registry key
+    operations: str = "+"  # any of "+", "-", "*", e.g. "+-"; each problem picks one uniformly
+    num_digits: int = 3  # operands are uniform in 0 .. 10^num_digits - 1
+    num_train: int = 20_000  # distinct training problems (warm start and RL prompts)
+    num_eval: int = 512  # distinct held-out problems, disjoint from the training ones
+    seed: int = 0  # fixes both problem sets
+    response_slack: int = 2  # response limit = longest possible answer + <eos> + this
+
+    def __post_init__(self) -> None:
+        if not self.operations or any(op not in OPERATIONS for op in self.operations):
+            raise ValueError(f"operations={self.operations!r}; use a non-empty subset of {OPERATIONS!r}")
+        if not 1 <= self.num_digits <= 9:
+            raise ValueError(f"num_digits must be in 1..9, got {self.num_digits}")
+        if self.num_train < 1 or self.num_eval < 1:
+            raise ValueError("num_train and num_eval must be >= 1")
+        universe = problem_universe_size(self)
+        if self.num_train + self.num_eval > universe:
+            raise ValueError(
+                f"{self.num_train} train + {self.num_eval} eval problems requested, but only {universe} distinct "
+                f"problems exist for operations={self.operations!r}, num_digits={self.num_digits}"
+            )
+
+
+def problem_universe_size(cfg: ArithmeticConfig) -> int:
+    """Number of distinct (a, op, b) problems."""
+    return len(set(cfg.operations)) * (10**cfg.num_digits) ** 2
+
+
+def solve(a: int, op: str, b: int) -> int:
+    """The exact result of ``a op b``."""
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    return a * b
+
+
+def make_problem(a: int, op: str, b: int) -> Problem:
+    """Prompt "a op b =" and its answer."""
+    return Problem(prompt=f"{a}{op}{b}=", answer=str(solve(a, op, b)))
+
+
+def _problem_key(index: int, cfg: ArithmeticConfig) -> tuple[int, str, int]:
+    operations = sorted(set(cfg.operations))
+    side = 10**cfg.num_digits
+    op_index, rest = divmod(index, side * side)
+    a, b = divmod(rest, side)
+    return a, operations[op_index], b
+
+
+def draw_problem_indices(cfg: ArithmeticConfig) -> list[int]:
+    """``num_eval + num_train`` distinct problem indices in draw order (eval first), fixed by ``cfg.seed``."""
+    rng = random.Random(cfg.seed)
+    universe = problem_universe_size(cfg)
+    wanted = cfg.num_eval + cfg.num_train
+    if universe <= _ENUMERATE_BELOW:
+        indices = list(range(universe))
+        rng.shuffle(indices)
+        return indices[:wanted]
+    drawn: dict[int, None] = {}
+    while len(drawn) < wanted:
+        drawn.setdefault(rng.randrange(universe))
+    return list(drawn)
+
+
+def longest_answer_length(cfg: ArithmeticConfig) -> int:
+    """Characters of the longest possible answer."""
+    lengths = {"+": cfg.num_digits + 1, "-": cfg.num_digits + 1, "*": 2 * cfg.num_digits}
+    return max(lengths[op] for op in cfg.operations)
+
+
+class ArithmeticTask:
+    """Arithmetic problems, their character tokenizer, exact-match reward and garble detector."""
+
+    def __init__(self, cfg: ArithmeticConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer: CharTokenizer = build_char_tokenizer(ALPHABET)
+        problems = [make_problem(*_problem_key(index, cfg)) for index in draw_problem_indices(cfg)]
+        self.eval_problems: list[Problem] = problems[: cfg.num_eval]
+        self.train_problems: list[Problem] = problems[cfg.num_eval :]
+        self.max_response_tokens: int = longest_answer_length(cfg) + 1 + cfg.response_slack
+        self._answer_ids = frozenset(self.tokenizer.encode(ANSWER_CHARS, add_bos=False))
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """<bos> then the prompt characters."""
+        return self.tokenizer.encode(problem.prompt)
+
+    def target_ids(self, problem: Problem) -> list[int]:
+        """The answer characters then <eos>."""
+        return [*self.tokenizer.encode(problem.answer, add_bos=False), self.tokenizer.eos_id]
+
+    def _split_at_eos(self, response_ids: Sequence[int]) -> tuple[list[int], bool]:
+        """Tokens before the first <eos> within the length limit, and whether that <eos> exists."""
+        window = [int(token) for token in response_ids[: self.max_response_tokens]]
+        if self.tokenizer.eos_id in window:
+            return window[: window.index(self.tokenizer.eos_id)], True
+        return window, False
+
+    def reward(self, problem: Problem, response_ids: Sequence[int]) -> float:
+        """1.0 iff <eos> came in time and every token before it spells exactly the answer (canonical form)."""
+        body, has_eos = self._split_at_eos(response_ids)
+        if not has_eos or any(token not in self._answer_ids for token in body):
+            return 0.0
+        return 1.0 if self.tokenizer.decode(body) == problem.answer else 0.0
+
+    def garble_reason(self, response_ids: Sequence[int]) -> str | None:
+        """ "invalid_token", "no_eos", "unparseable" (checked in this order), or None if well formed."""
+        body, has_eos = self._split_at_eos(response_ids)
+        if any(token not in self._answer_ids for token in body):
+            return "invalid_token"
+        if not has_eos:
+            return "no_eos"
+        if not ANSWER_PATTERN.fullmatch(self.tokenizer.decode(body)):
+            return "unparseable"
+        return None
+
+
+@register_task("arithmetic", ArithmeticConfig)
+def build_arithmetic_task(cfg: ArithmeticConfig) -> ArithmeticTask:
+    """Registry factory for :class:`ArithmeticTask`."""
+    return ArithmeticTask(cfg)

@@ -1,0 +1,221 @@
+"""Supervised warm start: make the base policy partly right, so RL has reward signal from step one.
+
+Teacher forcing on ``<bos> prompt | answer <eos>`` with the cross-entropy on the answer and <eos>
+tokens only, in the RL batch layout (prompts left-padded, targets right-padded). The result is cached
+under a hash of everything that determines it (model config with its resolved vocabulary, task
+config, warm-start config, a format version), so a sweep trains it once; files are written to a
+temporary name and renamed, so a reader never sees a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fp8rl.models.config import ModelConfig, with_tokenizer_vocab
+from fp8rl.models.generate import SamplingConfig, generate
+from fp8rl.models.gpt import build_gpt_model, compute_precision
+from fp8rl.models.logprobs import forward_logits, left_pad
+from fp8rl.tasks.base import Problem, Task, build_task, garble_metrics
+
+CACHE_FORMAT_VERSION = 1  # bump when the training recipe or the file layout changes meaning
+DEFAULT_CACHE_DIR = Path(".cache/warmstart")
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised warm start of the policy before RL."""
+
+    steps: int = 300  # optimizer steps
+    lr: float = 1e-3  # AdamW learning rate, constant
+    batch_size: int = 256  # problems per step, drawn with replacement from the task's train set
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global gradient norm
+    precision: str = "fp32"  # compute precision of the forward ("fp32" or "bf16"); weights stay fp32
+    seed: int = 0  # model init and batch sampling
+    eval_batch_size: int = 512  # prompts per greedy-decoding batch in the final evaluation
+
+
+@dataclass(frozen=True)
+class WarmStartResult:
+    """Where the warm-started weights are and how good they are."""
+
+    weights_path: Path  # safetensors file with the model's tensors
+    metadata: dict[str, Any]  # configs, eval accuracy, train seconds (the JSON sidecar's content)
+
+
+def warmstart_key(model_cfg: ModelConfig, task_cfg: Any, ws_cfg: WarmStartConfig) -> str:
+    """16 hex digits identifying a warm start (model config with resolved vocab, task config, recipe)."""
+    payload = {
+        "format": CACHE_FORMAT_VERSION,
+        "model": dataclasses.asdict(model_cfg),
+        "task": dataclasses.asdict(task_cfg),
+        "warmstart": dataclasses.asdict(ws_cfg),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-pad token lists -> (ids (b, s) long, mask (b, s) long, 1 = token)."""
+    width = max(len(seq) for seq in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+def teacher_forcing_batch(task: Task, problems: Sequence[Problem]) -> tuple[Tensor, Tensor, Tensor]:
+    """``[left-padded prompt | right-padded answer+eos]`` -> (input_ids, attention_mask, loss_mask), each (b, s).
+
+    loss_mask is 1 on the answer and <eos> tokens (the tokens to predict), 0 elsewhere.
+    """
+    pad_id = task.tokenizer.pad_id
+    prompt_ids, prompt_mask = left_pad([task.prompt_ids(p) for p in problems], pad_id)
+    target_ids, target_mask = right_pad([task.target_ids(p) for p in problems], pad_id)
+    input_ids = torch.cat([prompt_ids, target_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, target_mask], dim=1)
+    loss_mask = torch.cat([torch.zeros_like(prompt_mask), target_mask], dim=1)
+    return input_ids, attention_mask, loss_mask
+
+
+def answer_loss(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor) -> Tensor:
+    """Mean next-token cross-entropy (fp32) over the tokens where ``loss_mask`` is 1. Inputs (b, s)."""
+    logits = forward_logits(model, input_ids, attention_mask)[:, :-1].float()
+    targets = input_ids[:, 1:]
+    weights = loss_mask[:, 1:].float()
+    token_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
+    return (token_loss * weights.reshape(-1)).sum() / weights.sum().clamp(min=1.0)
+
+
+def greedy_eval(model: torch.nn.Module, task: Task, problems: Sequence[Problem], batch_size: int) -> dict[str, float]:
+    """Greedy-decoding accuracy and garble rates on ``problems`` (``eval/`` and ``rollout/`` keys)."""
+    sampling = SamplingConfig(
+        max_new_tokens=task.max_response_tokens,
+        eos_token_id=task.tokenizer.eos_id,
+        pad_token_id=task.tokenizer.pad_id,
+        temperature=0.0,
+    )
+    rewards: list[float] = []
+    reasons: list[str | None] = []
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        prompt_ids, prompt_mask = left_pad([task.prompt_ids(p) for p in chunk], task.tokenizer.pad_id)
+        responses = generate(model, prompt_ids, prompt_mask, sampling).tokens.tolist()
+        rewards += [task.reward(p, r) for p, r in zip(chunk, responses, strict=True)]
+        reasons += [task.garble_reason(r) for r in responses]
+    return {"eval/accuracy": sum(rewards) / len(rewards), **garble_metrics(reasons)}
+
+
+def train_warmstart(
+    model_cfg: ModelConfig,
+    task: Task,
+    ws_cfg: WarmStartConfig,
+    on_step: Callable[[int, float, torch.nn.Module], None] | None = None,
+) -> torch.nn.Module:
+    """Train a fresh model for ``ws_cfg.steps`` steps; ``on_step(step, loss, model)`` is called after each one."""
+    model = build_gpt_model(with_tokenizer_vocab(model_cfg, task.tokenizer.vocab_size), seed=ws_cfg.seed)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ws_cfg.lr, weight_decay=ws_cfg.weight_decay)
+    sampler = torch.Generator().manual_seed(ws_cfg.seed)
+    problems = task.train_problems
+    for step in range(ws_cfg.steps):
+        picks = torch.randint(len(problems), (ws_cfg.batch_size,), generator=sampler).tolist()
+        batch = teacher_forcing_batch(task, [problems[i] for i in picks])
+        with compute_precision(ws_cfg.precision):
+            loss = answer_loss(model, *batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), ws_cfg.grad_clip)
+        optimizer.step()
+        if on_step is not None:
+            on_step(step, loss.item(), model)
+    return model
+
+
+def tensor_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The model's tensors (megatron's ``_extra_state`` entries dropped), as independent contiguous copies."""
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if isinstance(v, Tensor)}
+
+
+def _write_atomically(path: Path, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)`` for a temporary file next to ``path``, then rename it to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp_name)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def cache_paths(cache_dir: Path, key: str) -> tuple[Path, Path]:
+    """(weights .safetensors, metadata .json) for a warm-start key."""
+    return cache_dir / f"warmstart-{key}.safetensors", cache_dir / f"warmstart-{key}.json"
+
+
+def load_or_train_warmstart(
+    model_cfg: ModelConfig,
+    task_cfg: Any,
+    ws_cfg: WarmStartConfig,
+    cache_dir: str | Path | None = None,
+) -> Path:
+    """Path of the warm-started weights for these configs, training and caching them on first use."""
+    return warmstart(model_cfg, task_cfg, ws_cfg, cache_dir).weights_path
+
+
+def warmstart(
+    model_cfg: ModelConfig,
+    task_cfg: Any,
+    ws_cfg: WarmStartConfig,
+    cache_dir: str | Path | None = None,
+) -> WarmStartResult:
+    """As :func:`load_or_train_warmstart`, with the metadata (eval accuracy, train time) as well."""
+    task = build_task(task_cfg)
+    resolved_cfg = with_tokenizer_vocab(model_cfg, task.tokenizer.vocab_size)
+    key = warmstart_key(resolved_cfg, task_cfg, ws_cfg)
+    weights_path, metadata_path = cache_paths(Path(cache_dir or DEFAULT_CACHE_DIR), key)
+    if weights_path.exists() and metadata_path.exists():
+        return WarmStartResult(weights_path, json.loads(metadata_path.read_text()))
+
+    started = time.perf_counter()
+    model = train_warmstart(resolved_cfg, task, ws_cfg)
+    train_seconds = time.perf_counter() - started
+    metrics = greedy_eval(model, task, task.eval_problems, ws_cfg.eval_batch_size)
+    metadata = {
+        "key": key,
+        "model": dataclasses.asdict(resolved_cfg),
+        "task": dataclasses.asdict(task_cfg),
+        "warmstart": dataclasses.asdict(ws_cfg),
+        "train_seconds": round(train_seconds, 2),
+        "torch_threads": torch.get_num_threads(),
+        **metrics,
+    }
+    # Metadata first: a weights file on disk implies its metadata is complete.
+    _write_atomically(metadata_path, lambda tmp: Path(tmp).write_text(json.dumps(metadata, indent=2) + "\n"))
+    _write_atomically(weights_path, lambda tmp: safetensors.torch.save_file(tensor_state_dict(model), tmp))
+    return WarmStartResult(weights_path, metadata)
+
+
+def load_warmstarted_model(weights_path: str | Path, model_cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    """A GPTModel for ``model_cfg`` (vocab resolved) with the weights at ``weights_path`` (strict: all keys)."""
+    model = build_gpt_model(model_cfg, seed=seed)
+    # megatron's linears add their missing ``_extra_state`` keys in a load pre-hook, so strict loading works.
+    model.load_state_dict(safetensors.torch.load_file(str(weights_path)), strict=True)
+    return model

@@ -1,0 +1,137 @@
+import pytest
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+
+from fp8rl.models.generate import SamplingConfig, generate, top_p_filter
+from fp8rl.models.logprobs import (
+    causal_padding_mask,
+    decode_step_mask,
+    forward_logits,
+    left_pad,
+    token_logprobs_and_entropy,
+)
+
+EOS, PAD = 2, 0
+PROMPTS = [[1, 5, 6, 14, 7], [1, 9], [1, 8, 8, 16, 4, 5, 17]]
+
+
+def prompt_batch():
+    return left_pad(PROMPTS, pad_id=PAD)
+
+
+def test_kv_cached_decoding_gives_the_full_forward_logits(tiny_model):
+    """Prefill a left-padded prompt batch, then feed the continuation one token at a time."""
+    tiny_model.eval()
+    prompt_ids, prompt_mask = prompt_batch()
+    continuation = torch.randint(3, 18, (3, 5), generator=torch.Generator().manual_seed(0))
+    input_ids = torch.cat([prompt_ids, continuation], 1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(continuation)], 1)
+    prompt_len = prompt_ids.size(1)
+    with torch.no_grad():
+        full = forward_logits(tiny_model, input_ids, attention_mask)
+        ctx = StaticInferenceContext(max_batch_size=3, max_sequence_length=input_ids.size(1))
+        prefill = tiny_model(
+            prompt_ids, None, causal_padding_mask(prompt_mask), inference_context=ctx, runtime_gather_output=True
+        )
+        torch.testing.assert_close(prefill[:, -1], full[:, prompt_len - 1], atol=1e-5, rtol=0)
+        ctx.sequence_len_offset = prompt_len
+        ctx.enable_decode_mode()
+        for step in range(continuation.size(1)):
+            seen = attention_mask[:, : prompt_len + step + 1]
+            step_logits = tiny_model(
+                continuation[:, step : step + 1],
+                None,
+                decode_step_mask(seen),
+                inference_context=ctx,
+                runtime_gather_output=True,
+            )
+            ctx.sequence_len_offset += 1
+            torch.testing.assert_close(step_logits[:, -1], full[:, prompt_len + step], atol=1e-5, rtol=0)
+
+
+def test_greedy_generation_is_argmax_of_the_full_forward(tiny_model):
+    prompt_ids, prompt_mask = prompt_batch()
+    cfg = SamplingConfig(max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, temperature=0.0)
+    out = generate(tiny_model, prompt_ids, prompt_mask, cfg)
+    sequence, mask = prompt_ids, prompt_mask
+    with torch.no_grad():
+        for step in range(6):
+            expected = forward_logits(tiny_model, sequence, mask)[:, -1].argmax(-1)
+            alive = out.response_mask[:, step].bool()
+            assert torch.equal(out.tokens[alive, step], expected[alive])
+            sequence = torch.cat([sequence, out.tokens[:, step : step + 1]], 1)
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+
+
+def test_sampled_logprobs_match_the_trainer_recompute(tiny_model):
+    prompt_ids, prompt_mask = prompt_batch()
+    cfg = SamplingConfig(max_new_tokens=7, eos_token_id=EOS, pad_token_id=PAD, temperature=0.8)
+    out = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(1))
+    input_ids = torch.cat([prompt_ids, out.tokens], 1)
+    attention_mask = torch.cat([prompt_mask, out.response_mask], 1)
+    with torch.no_grad():
+        logp, entropy = token_logprobs_and_entropy(tiny_model, input_ids, attention_mask, 7, temperature=0.8)
+    valid = out.response_mask.bool()
+    torch.testing.assert_close(out.logprobs[valid], logp[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.entropy[valid], entropy[valid], atol=1e-5, rtol=0)
+
+
+class EosBiasedModel(torch.nn.Module):
+    """The tiny model with ``bias`` added to the <eos> logit, so rows end at different steps."""
+
+    def __init__(self, model: torch.nn.Module, bias: float) -> None:
+        super().__init__()
+        self.model, self.bias = model, bias
+
+    def forward(self, *args, **kwargs):
+        logits = self.model(*args, **kwargs)
+        logits[..., EOS] += self.bias
+        return logits
+
+
+def test_rows_stop_at_eos_and_are_padded_after_it(tiny_model):
+    prompt_ids, prompt_mask = left_pad(PROMPTS * 4, pad_id=PAD)
+    cfg = SamplingConfig(max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, temperature=1.0)
+    out = generate(EosBiasedModel(tiny_model, 4.0), prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(0))
+    lengths = []
+    for row in range(len(prompt_ids)):
+        tokens, mask = out.tokens[row].tolist(), out.response_mask[row].tolist()
+        length = tokens.index(EOS) + 1 if EOS in tokens else len(tokens)
+        lengths.append(length)
+        assert mask == [1] * length + [0] * (8 - length)
+        assert tokens[length:] == [PAD] * (8 - length)
+        assert (out.logprobs[row, length:] == 0).all() and (out.logprobs[row, :length] < 0).all()
+    assert len(set(lengths)) > 2  # rows really stopped at different steps
+
+
+def test_greedy_eos_ends_every_row_at_once(tiny_model):
+    prompt_ids, prompt_mask = prompt_batch()
+    cfg = SamplingConfig(max_new_tokens=5, eos_token_id=EOS, pad_token_id=PAD, temperature=0.0)
+    out = generate(EosBiasedModel(tiny_model, 1e4), prompt_ids, prompt_mask, cfg)
+    assert out.tokens.tolist() == [[EOS, PAD, PAD, PAD, PAD]] * 3
+    assert out.response_mask.tolist() == [[1, 0, 0, 0, 0]] * 3
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator_and_restores_train_mode(tiny_model):
+    tiny_model.train()
+    prompt_ids, prompt_mask = prompt_batch()
+    cfg = SamplingConfig(max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, top_p=0.9)
+    first = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(3))
+    second = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(3))
+    assert torch.equal(first.tokens, second.tokens)
+    assert tiny_model.training
+
+
+def test_top_p_filter_keeps_the_smallest_covering_set():
+    probs = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    kept = top_p_filter(probs, 0.7)
+    torch.testing.assert_close(kept[0], torch.tensor([0.0, 0.5, 0.3, 0.0]))
+    assert (kept[1] > 0).sum() == 3
+    assert torch.equal(top_p_filter(probs, 1.0), probs)
+
+
+@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}])
+def test_sampling_config_validation(bad):
+    fields = {"max_new_tokens": 4, "eos_token_id": EOS, "pad_token_id": PAD, **bad}
+    with pytest.raises(ValueError):
+        SamplingConfig(**fields)

@@ -1,0 +1,110 @@
+import dataclasses
+
+import pytest
+import torch
+
+from fp8rl.models.config import get_model_config, with_tokenizer_vocab
+from fp8rl.models.logprobs import forward_logits
+from fp8rl.tasks import build_task, task_config
+from fp8rl.trainer import warmstart as ws
+from fp8rl.trainer.warmstart import (
+    WarmStartConfig,
+    answer_loss,
+    load_or_train_warmstart,
+    load_warmstarted_model,
+    teacher_forcing_batch,
+    train_warmstart,
+    warmstart,
+    warmstart_key,
+)
+
+TASK_CFG = task_config("arithmetic", num_train=200, num_eval=16)
+QUICK = WarmStartConfig(steps=2, batch_size=8, eval_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return build_task(TASK_CFG)
+
+
+@pytest.fixture(scope="module")
+def model_cfg(task):
+    return with_tokenizer_vocab(get_model_config("tiny"), task.tokenizer.vocab_size)
+
+
+def test_key_changes_with_every_input(model_cfg):
+    base = warmstart_key(model_cfg, TASK_CFG, QUICK)
+    assert warmstart_key(model_cfg, TASK_CFG, WarmStartConfig(steps=2, batch_size=8, eval_batch_size=16)) == base
+    variants = [
+        warmstart_key(dataclasses.replace(model_cfg, num_layers=2), TASK_CFG, QUICK),
+        warmstart_key(model_cfg, dataclasses.replace(TASK_CFG, seed=1), QUICK),
+        *(
+            warmstart_key(model_cfg, TASK_CFG, dataclasses.replace(QUICK, **{name: value}))
+            for name, value in [("steps", 3), ("lr", 2e-3), ("batch_size", 9), ("seed", 1), ("precision", "bf16")]
+        ),
+    ]
+    assert base not in variants and len(set(variants)) == len(variants)
+
+
+def test_teacher_forcing_layout(task):
+    problems = [task.train_problems[0], dataclasses.replace(task.train_problems[1], prompt="1+2=", answer="3")]
+    input_ids, attention_mask, loss_mask = teacher_forcing_batch(task, problems)
+    prompt_width = max(len(task.prompt_ids(p)) for p in problems)
+    for row, problem in enumerate(problems):
+        real = input_ids[row][attention_mask[row].bool()].tolist()
+        assert real == task.prompt_ids(problem) + task.target_ids(problem)
+        assert input_ids[row][loss_mask[row].bool()].tolist() == task.target_ids(problem)
+    assert attention_mask[1, :prompt_width].tolist()[:4] == [0, 0, 0, 0]  # the short prompt is left-padded
+    assert (loss_mask <= attention_mask).all()
+
+
+def test_a_few_steps_reduce_the_answer_loss(task, model_cfg):
+    batch = teacher_forcing_batch(task, task.train_problems[:32])
+    cfg = WarmStartConfig(steps=8, batch_size=16, lr=3e-3)
+    before = answer_loss(train_warmstart(model_cfg, task, dataclasses.replace(cfg, steps=0)), *batch).item()
+    losses = []
+    model = train_warmstart(model_cfg, task, cfg, on_step=lambda step, loss, model: losses.append(loss))
+    assert len(losses) == 8
+    assert answer_loss(model, *batch).item() < 0.8 * before
+
+
+def test_trains_once_then_loads_from_the_cache(model_cfg, tmp_path, monkeypatch):
+    first = warmstart(model_cfg, TASK_CFG, QUICK, cache_dir=tmp_path)
+    assert first.weights_path.exists() and 0.0 <= first.metadata["eval/accuracy"] <= 1.0
+    assert first.metadata["train_seconds"] >= 0 and first.metadata["model"]["vocab_size"] == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [first.weights_path.name, first.weights_path.with_suffix(".json").name]
+    )  # no temporary files left behind
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("the cached warm start was retrained")
+
+    monkeypatch.setattr(ws, "train_warmstart", must_not_train)
+    assert load_or_train_warmstart(get_model_config("tiny"), TASK_CFG, QUICK, cache_dir=tmp_path) == first.weights_path
+
+
+def test_cached_weights_reproduce_the_trained_model(task, model_cfg, tmp_path):
+    path = load_or_train_warmstart(model_cfg, TASK_CFG, QUICK, cache_dir=tmp_path)
+    trained = train_warmstart(model_cfg, task, QUICK)  # deterministic: same seed, same batches
+    loaded = load_warmstarted_model(path, model_cfg, seed=123)
+    input_ids, attention_mask, _ = teacher_forcing_batch(task, task.eval_problems[:4])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            forward_logits(loaded, input_ids, attention_mask),
+            forward_logits(trained, input_ids, attention_mask),
+            rtol=0,
+            atol=0,
+        )
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    target = tmp_path / "weights.safetensors"
+
+    def crash(tmp_name):
+        with open(tmp_name, "w") as handle:
+            handle.write("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        ws._write_atomically(target, crash)
+    assert list(tmp_path.iterdir()) == []
