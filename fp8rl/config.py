@@ -8,6 +8,8 @@ before any model, engine or tracker is built.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +113,7 @@ class TaskSection:
 class WarmStartSection:
     """Supervised warm start (cached by config hash)."""
 
-    steps: int = 300  # SFT steps
+    steps: int = 400  # SFT steps (tiny + 3-digit addition: about 59% greedy accuracy)
     batch_size: int = 256  # SFT batch
     lr: float = 1e-3  # SFT learning rate
     seed: int = 0  # SFT seed
@@ -186,6 +188,11 @@ def validate(cfg: RunConfig, cuda_available: bool = False) -> RunConfig:
     _one_of(cfg.model.device, DEVICES, "model.device")
     if p.scaling == "delayed" and p.recipe != "tensorwise":
         raise ConfigError("precision.scaling=delayed exists only for precision.recipe=tensorwise")
+    if p.mode == "bf16" and p.recipe != PrecisionConfig.recipe:
+        raise ConfigError(
+            f"precision.recipe={p.recipe} is an FP8 scaling recipe but precision.mode=bf16 uses no FP8: drop the "
+            "recipe override or choose precision.mode=fp8_rollout or fp8_full"
+        )
     if a.group_size < 2:
         raise ConfigError(f"algo.group_size={a.group_size}: group advantages need at least 2 samples per prompt")
     batch = a.prompts_per_step * a.group_size
@@ -228,7 +235,12 @@ def validate(cfg: RunConfig, cuda_available: bool = False) -> RunConfig:
     if p.fp8_kv_cache and r.engine != "vllm":
         raise ConfigError("precision.fp8_kv_cache is implemented by the vLLM engine only: set rollout.engine=vllm")
     if r.engine == "vllm":
-        raise ConfigError("rollout.engine=vllm is not available in this build yet; use rollout.engine=builtin")
+        from fp8rl.rollout.vllm_engine import VllmSupportError, check_vllm_support
+
+        try:
+            check_vllm_support(None if p.mode == "bf16" else p.recipe, p.fp8_kv_cache, cfg.model.device)
+        except VllmSupportError as err:
+            raise ConfigError(f"rollout.engine=vllm: {err}") from err
     if p.backend == "te" and not cuda_available:
         raise ConfigError(
             "precision.backend=te (Transformer Engine) needs a CUDA GPU and none was found; "
@@ -256,6 +268,20 @@ def validate(cfg: RunConfig, cuda_available: bool = False) -> RunConfig:
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain nested dict of the config (for hashing, logging and YAML)."""
     return dataclasses.asdict(cfg)
+
+
+# Fields that change where or how a run is stored, not what it computes: left out of the config hash.
+_HASH_EXCLUDED = ("tracking", "trainer.out_dir", "trainer.threads", "warmstart.cache_dir")
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Identity of what a run computes (sweep idempotence): a hash of the resolved config.
+
+    Lives here, not in the trainer, so that the launcher can plan a sweep without importing torch.
+    """
+    flat = flatten(to_dict(cfg))
+    kept = {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in _HASH_EXCLUDED)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

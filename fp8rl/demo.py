@@ -11,6 +11,7 @@ import csv
 import statistics
 from pathlib import Path
 
+from fp8rl._warnings import silence_expected_warnings
 from fp8rl.config import RunConfig
 from fp8rl.tracking import resolve_tracking_uri
 
@@ -33,6 +34,9 @@ SUMMARY_COLUMNS = (
     ("clip/high_pos", "clip/high_pos", "mean"),
     ("s/step", "time/step", "mean"),
 )
+
+
+silence_expected_warnings()
 
 
 def demo_config(name: str, steps: int, out_root: Path) -> RunConfig:

@@ -13,10 +13,14 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from fp8rl._warnings import silence_expected_warnings
 from fp8rl.config import ConfigError, RunConfig, from_dict, validate
 
 ConfigStore.instance().store(name="run_config_schema", node=RunConfig)
 log = logging.getLogger("fp8rl")
+
+
+silence_expected_warnings()
 
 
 def resolve(cfg: DictConfig) -> RunConfig:

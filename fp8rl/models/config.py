@@ -118,7 +118,7 @@ def model_preset_names() -> list[str]:
     return sorted(_MODEL_PRESETS)
 
 
-# CPU model: ~3.2M parameters at a 64-token vocabulary; head_dim 64 so RoPE and QK-norm act as in Qwen3.
+# CPU model: 3.44M parameters at a 64-row vocabulary; head_dim 64 so RoPE and QK-norm act as in Qwen3.
 register_model_preset(
     ModelConfig(
         name="tiny",

@@ -14,7 +14,7 @@ computed exactly up to the accumulation order:
   and done in fp32 otherwise.
 The compute dtype is the autocast dtype when autocast is on (bf16 GEMMs with fp32 accumulation),
 else the input dtype. With bf16 compute and outer scales, the GEMM output is rounded to bf16 before
-the scales are applied: one extra bf16 rounding (relative 2^-9) that hardware avoids. With float16
+the scales are applied: one extra bf16 rounding (unit roundoff 2^-8) that hardware avoids. With float16
 compute, the raw-FP8 GEMM runs in fp32 (unscaled FP8 products overflow float16).
 """
 
@@ -87,9 +87,6 @@ class _WeightCache:
         if key not in values:
             values[key] = make()
         return values[key]
-
-    def clear(self) -> None:
-        self._entries.clear()
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -193,17 +193,28 @@ def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, pow2: bool, e8m0: bool =
     small that ``amax / fmt_max`` underflows float32 gets the smallest positive float32 instead (then
     ``|x| / scale <= fmt_max`` still holds), so its values are not silently flushed to zero.
     """
+    return _scale_from_amax(amax, fmt.max, pow2, e8m0)
+
+
+def _scale_from_amax(amax: torch.Tensor, fmt_max: float | torch.Tensor, pow2: bool, e8m0: bool) -> torch.Tensor:
+    # fmt_max may be a 0-d tensor: under torch.compile a Python constant divisor may become a
+    # multiplication by its (inexact) reciprocal, a tensor divisor stays an IEEE division.
     amax = amax.float()
-    scale = amax / fmt.max
+    scale = amax / fmt_max
     scale = torch.where((scale == 0) & (amax > 0), torch.full_like(scale, SMALLEST_FP32_SUBNORMAL), scale)
     if pow2:
         scale = round_up_pow2(scale, clamp_e8m0=e8m0)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def _check_finite(amax: torch.Tensor, nonfinite: str) -> None:
-    """Raise (in "raise" mode) when `amax` (any reduction that propagates NaN/Inf) is not finite."""
-    if nonfinite == "raise" and not bool(torch.isfinite(amax).all()):
+def _check_finite(amax: torch.Tensor, nonfinite: str, all_finite: torch.Tensor | None = None) -> None:
+    """Raise (in "raise" mode) when `amax` (any reduction that propagates NaN/Inf) is not finite.
+
+    `all_finite`, when given, is ``isfinite(amax).all()`` already computed (inside a compiled graph).
+    """
+    if nonfinite != "raise":
+        return
+    if not bool(torch.isfinite(amax).all() if all_finite is None else all_finite):
         raise ValueError(
             "FP8 quantization input contains NaN or Inf; fix the upstream overflow, or pass "
             "nonfinite='propagate' to keep them as NaN in the FP8 output"
@@ -238,9 +249,9 @@ def quantize(
         nonfinite: "raise" (default) rejects NaN/Inf with a clear error; "propagate" computes the
             scales from the finite elements and writes NaN for every non-finite element.
         amax: precomputed amax shaped like the scales (delayed scaling); default: the current amax.
-        compile: run the amax reduction and the scale-and-cast pass as `torch.compile`d kernels
-            (opt-in fast path, bit-identical to eager; compiles once per shape, granularity and
-            format, and falls back to eager past dynamo's recompile limit).
+        compile: with current scaling (no `amax` given), run amax, scales and cast as one
+            `torch.compile`d graph (opt-in fast path, bit-identical to eager; compiles once per
+            shape, dtype, granularity and format, and runs eagerly past dynamo's recompile limit).
     """
     fp8 = get_format(fmt)
     check_granularity(granularity)
@@ -253,19 +264,22 @@ def quantize(
     if nonfinite == "propagate":
         finite_mask = torch.isfinite(x2d)
         x2d = torch.where(finite_mask, x2d, torch.zeros_like(x2d))
-    amax_fn, cast_fn = _compiled_kernels() if compile else (block_amax, _scale_and_cast)
-    if amax is None:
-        amax = amax_fn(x2d, granularity)
-        _check_finite(amax, nonfinite)
-    else:
-        # A given amax (delayed scaling) says nothing about x itself: NaN/Inf in x must still raise.
-        if not bool(torch.isfinite(amax).all()):
-            raise ValueError("the amax given to quantize must be finite")
-        if nonfinite == "raise":
-            _check_finite(amax_fn(x2d, "tensor"), nonfinite)
     e8m0 = granularity in POW2_ONLY
-    scale = scale_from_amax(amax, fp8, pow2_scale or e8m0, e8m0=e8m0)
-    data = cast_fn(x2d, scale, granularity, fp8)
+    if compile and amax is None:
+        amax, all_finite, scale, data = _quantize_compiled(x2d, fp8, granularity, pow2_scale or e8m0, e8m0)
+        _check_finite(amax, nonfinite, all_finite)
+    else:
+        if amax is None:
+            amax = block_amax(x2d, granularity)
+            _check_finite(amax, nonfinite)
+        else:
+            # A given amax (delayed scaling) says nothing about x itself: NaN/Inf in x must still raise.
+            if not bool(torch.isfinite(amax).all()):
+                raise ValueError("the amax given to quantize must be finite")
+            if nonfinite == "raise":
+                _check_finite(block_amax(x2d, "tensor"), nonfinite)
+        scale = scale_from_amax(amax, fp8, pow2_scale or e8m0, e8m0=e8m0)
+        data = _scale_and_cast(x2d, scale, granularity, fp8)
     if finite_mask is not None:
         data = torch.where(finite_mask, data.float(), torch.full_like(x2d, float("nan"), dtype=torch.float32))
         data = data.to(fp8.dtype)
@@ -298,12 +312,62 @@ def fake_quantize(
     return quantize(x, fmt, granularity, pow2_scale, nonfinite=nonfinite, amax=amax, compile=compile).dequantize()
 
 
-@functools.cache
-def _compiled_kernels():
-    """`torch.compile`d versions of the two passes over x: the same torch ops, so the same bits.
+def _block_amax_of_abs(x2d: torch.Tensor, granularity: str) -> torch.Tensor:
+    """`block_amax` as one max-reduction of |x| (fused by inductor; eager would materialize |x|).
 
-    The scale arithmetic (a division by the constant fmt_max, frexp/ldexp for powers of two) stays
-    eager on the small amax tensor: inductor may turn a division by a constant into a multiplication
-    by its reciprocal, which would change the last bit of a scale.
+    Equal to `block_amax` wherever it matters: the same finite maxima, NaN/Inf propagated alike; only
+    the sign of an all-zero block's amax may differ, and such a block gets scale 1 either way.
     """
-    return torch.compile(block_amax, dynamic=False), torch.compile(_scale_and_cast, dynamic=False)
+    if x2d.numel() == 0 or granularity == "col":
+        return block_amax(x2d, granularity)
+    magnitude = x2d.abs()
+    if granularity == "tensor":
+        return magnitude.amax().float()
+    if granularity == "row":
+        return magnitude.amax(dim=1, keepdim=True).float()
+    blocks, _, _ = _as_blocks(magnitude, granularity)
+    return blocks.amax(dim=(1, 3)).float()
+
+
+def _quantize_2d(
+    x2d: torch.Tensor, fmt_max: torch.Tensor, granularity: str, fp8: Fp8Format, pow2: bool, e8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(amax, isfinite(amax).all(), scale, data) of current scaling in one graph, for `torch.compile`.
+
+    The finiteness flag is computed in the graph: as a separate eager op on the ~10^5 block amaxes
+    it cost more than the whole graph on a loaded 2-core machine (OpenMP hand-off).
+
+    x2d's shape must be a multiple of the block shape (`_quantize_compiled` pads it): inductor
+    (torch 2.13, CPU) miscompiles partial blocks, both the padded-block view (wrong scale read) and
+    a per-element gather of the scales (a single row: only the first block written).
+    """
+    amax = _block_amax_of_abs(x2d, granularity)
+    scale = _scale_from_amax(amax, fmt_max, pow2, e8m0)
+    return amax, torch.isfinite(amax).all(), scale, _scale_and_cast(x2d, scale, granularity, fp8)
+
+
+def _quantize_compiled(
+    x2d: torch.Tensor, fp8: Fp8Format, granularity: str, pow2: bool, e8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(amax, all finite, scale, data) by the compiled graph; partial blocks are zero-padded here, eagerly.
+
+    Zeros never change a block's amax, and the padding's FP8 values are sliced off again.
+    """
+    rows, cols = x2d.shape
+    padded = x2d
+    if granularity not in ("tensor", "row", "col") and x2d.numel() > 0:
+        padded = _pad_to_blocks(x2d, *block_shape(granularity, rows, cols))
+    amax, all_finite, scale, data = _compiled_quantize_2d()(padded, torch.tensor(fp8.max), granularity, fp8, pow2, e8m0)
+    if padded is not x2d:
+        data = data[:rows, :cols]
+    return amax, all_finite, scale, data
+
+
+@functools.cache
+def _compiled_quantize_2d():
+    """`torch.compile`d `_quantize_2d`: the eager path's ops, so its bits.
+
+    Bit-identity with the eager path is asserted by tests/quant/test_tensor.py and by
+    benchmarks/quant_throughput.py.
+    """
+    return torch.compile(_quantize_2d, dynamic=False)

@@ -1,7 +1,8 @@
 """Multi-digit arithmetic with exact-match rewards: a local, deterministic verifiable-reward task.
 
-Prompt ``"<bos>123+456="``, reference response ``"579<eos>"``. Operands are drawn uniformly from
-0 .. 10^num_digits - 1 (written without leading zeros). The eval set is drawn first, then the
+Prompt ``"<bos>123+456="``, reference response ``"579<eos>"``. Operands are drawn uniformly among
+the numbers with exactly ``num_digits`` digits (10..99 for 2; 0..9 for 1), or with ``fixed_width``
+off from 0 .. 10^num_digits - 1, always written without leading zeros. The eval set is drawn first, then the
 train set from the remaining problems, so the two are disjoint; both depend only on the config.
 """
 
@@ -29,7 +30,8 @@ class ArithmeticConfig:
 
     name: str = "arithmetic"  # registry key
     operations: str = "+"  # any of "+", "-", "*", e.g. "+-"; each problem picks one uniformly
-    num_digits: int = 3  # operands are uniform in 0 .. 10^num_digits - 1
+    num_digits: int = 3  # digits per operand
+    fixed_width: bool = True  # operands have exactly num_digits digits; False: any of 0 .. 10^num_digits - 1
     num_train: int = 20_000  # distinct training problems (warm start and RL prompts)
     num_eval: int = 512  # distinct held-out problems, disjoint from the training ones
     seed: int = 0  # fixes both problem sets
@@ -50,9 +52,15 @@ class ArithmeticConfig:
             )
 
 
+def operand_range(cfg: ArithmeticConfig) -> range:
+    """The operands a problem can have."""
+    low = 10 ** (cfg.num_digits - 1) if cfg.fixed_width and cfg.num_digits > 1 else 0
+    return range(low, 10**cfg.num_digits)
+
+
 def problem_universe_size(cfg: ArithmeticConfig) -> int:
     """Number of distinct (a, op, b) problems."""
-    return len(set(cfg.operations)) * (10**cfg.num_digits) ** 2
+    return len(set(cfg.operations)) * len(operand_range(cfg)) ** 2
 
 
 def solve(a: int, op: str, b: int) -> int:
@@ -71,10 +79,10 @@ def make_problem(a: int, op: str, b: int) -> Problem:
 
 def _problem_key(index: int, cfg: ArithmeticConfig) -> tuple[int, str, int]:
     operations = sorted(set(cfg.operations))
-    side = 10**cfg.num_digits
-    op_index, rest = divmod(index, side * side)
-    a, b = divmod(rest, side)
-    return a, operations[op_index], b
+    operands = operand_range(cfg)
+    op_index, rest = divmod(index, len(operands) ** 2)
+    a, b = divmod(rest, len(operands))
+    return operands[a], operations[op_index], operands[b]
 
 
 def draw_problem_indices(cfg: ArithmeticConfig) -> list[int]:

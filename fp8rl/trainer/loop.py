@@ -22,6 +22,7 @@ from fp8rl import algos
 from fp8rl.config import RunConfig, validate
 from fp8rl.models.config import get_model_config, with_tokenizer_vocab
 from fp8rl.models.generate import SamplingConfig
+from fp8rl.models.gpt import fp8_switchable_linears
 from fp8rl.models.logprobs import token_logprobs_and_entropy
 from fp8rl.rollout import BuiltinEngine, RolloutBatch
 from fp8rl.tasks.base import Problem, batch_rewards, build_task, garble_metrics, task_config
@@ -105,7 +106,7 @@ class RLTrainer:
             self.model.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay, betas=(0.9, 0.999)
         )
         self.plan: PrecisionPlan = plan_precision(cfg.precision)
-        self.engine = BuiltinEngine(self.model, self.plan.rollout_recipe, self.task.tokenizer.pad_id)
+        self.engine = self._rollout_engine()
         self.clip_policy = clip_policy_from_config(cfg)
         self.policy_loss = algos.get_policy_loss(cfg.algo.policy_loss)
         self.sampling = SamplingConfig(
@@ -117,6 +118,29 @@ class RLTrainer:
         )
         self.step = 0
         self.bad_steps_in_a_row = 0
+
+    def _rollout_engine(self):
+        cfg = self.cfg
+        if cfg.rollout.engine != "vllm":
+            return BuiltinEngine(self.model, self.plan.rollout_recipe, self.task.tokenizer.pad_id)
+        from fp8rl.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(
+            self.model,
+            self.model_cfg,
+            self.task.tokenizer.pad_id,
+            recipe=self.plan.rollout_recipe,
+            fp8_kv_cache=cfg.precision.fp8_kv_cache,
+            dtype="bfloat16",
+            device=cfg.model.device,
+            tokenizer=self.task.tokenizer,
+            max_num_seqs=cfg.algo.prompts_per_step * cfg.algo.group_size,
+            seed=cfg.trainer.seed,
+        )
+
+    def close(self) -> None:
+        """Release the rollout engine (vLLM holds process groups and memory)."""
+        getattr(self.engine, "close", lambda: None)()
 
     def _reference_model(self) -> torch.nn.Module | None:
         if self.cfg.algo.kl_coef <= 0:
@@ -136,6 +160,7 @@ class RLTrainer:
             "clip_policy": self.clip_policy.state_dict(),
             "bad_steps_in_a_row": self.bad_steps_in_a_row,
             "torch_rng": torch.get_rng_state(),
+            "fp8_delayed_scaling": self._delayed_scaling_states(),
             "run_id": self.tracker.run_id,
             "config": dataclasses.asdict(self.cfg),
         }
@@ -147,6 +172,23 @@ class RLTrainer:
         self.clip_policy.load_state_dict(state["clip_policy"])
         self.bad_steps_in_a_row = int(state["bad_steps_in_a_row"])
         torch.set_rng_state(state["torch_rng"])
+        self._load_delayed_scaling_states(state.get("fp8_delayed_scaling", []))
+        self.engine.sync_weights(self.model)
+
+    def _delayed_scaling_states(self) -> list[dict | None]:
+        """Amax histories of every FP8 linear (delayed scaling), in module order."""
+        return [
+            None if layer.fp8_scaling_state is None else layer.fp8_scaling_state.state_dict()
+            for layer in fp8_switchable_linears(self.model)
+        ]
+
+    def _load_delayed_scaling_states(self, states: list[dict | None]) -> None:
+        from fp8rl.quant import DelayedScalingState
+
+        for layer, state in zip(fp8_switchable_linears(self.model), states, strict=False):
+            if state is not None:
+                layer.fp8_scaling_state = DelayedScalingState()
+                layer.fp8_scaling_state.load_state_dict(state)
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(
@@ -244,6 +286,7 @@ class RLTrainer:
             step, batch, old_logp, adv, response_mask, ref_old_logp, ref_logp_policy
         )
         timings["time/shadow"] += shadow_time
+        timings["time/weight_push"] = self.engine.sync_weights(self.model)
         timings["time/update"] = time.perf_counter() - t - shadow_time
         timings["time/step"] = time.perf_counter() - t0
         metrics.update(update_metrics)

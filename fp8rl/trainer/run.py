@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import time
@@ -11,21 +10,12 @@ from pathlib import Path
 
 import torch
 
-from fp8rl.config import RunConfig, flatten, to_dict, validate
+from fp8rl.config import RunConfig, config_hash, flatten, to_dict, validate  # noqa: F401 - config_hash re-exported
 from fp8rl.tracking import MlflowTracker, NullTracker, Tracker, provenance, resolve_tracking_uri
 from fp8rl.trainer import checkpoint as ckpt
 from fp8rl.trainer.loop import RLTrainer, RunSummary, TrainingDiverged
 
 log = logging.getLogger(__name__)
-# Fields that change where or how a run is stored, not what it computes: left out of the config hash.
-_HASH_EXCLUDED = ("tracking", "trainer.out_dir", "trainer.threads", "warmstart.cache_dir")
-
-
-def config_hash(cfg: RunConfig) -> str:
-    """Identity of what a run computes (sweep idempotence): a hash of the resolved config."""
-    flat = flatten(to_dict(cfg))
-    kept = {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in _HASH_EXCLUDED)}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def default_run_name(cfg: RunConfig) -> str:
@@ -102,10 +92,11 @@ def run(cfg: RunConfig, tracker: Tracker | None = None, stop_after: int | None =
     try:
         _loop(trainer, tracker, summary, stop_after)
         status = "FINISHED" if trainer.step >= cfg.trainer.steps else "RUNNING"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # SystemExit: submitit's exit after a preemption/timeout checkpoint
         status = "KILLED"
         raise
     finally:
+        trainer.close()
         if status != "RUNNING":
             tracker.finish(status)
     return summary

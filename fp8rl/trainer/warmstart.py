@@ -39,12 +39,12 @@ DEFAULT_CACHE_DIR = Path(".cache/warmstart")
 class WarmStartConfig:
     """Supervised warm start of the policy before RL."""
 
-    steps: int = 300  # optimizer steps
+    steps: int = 400  # optimizer steps (tiny + 3-digit addition: 20% greedy accuracy at 300, 59% at 400)
     lr: float = 1e-3  # AdamW learning rate, constant
     batch_size: int = 256  # problems per step, drawn with replacement from the task's train set
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm
-    precision: str = "fp32"  # compute precision of the forward ("fp32" or "bf16"); weights stay fp32
+    precision: str = "bf16"  # compute precision ("fp32" or "bf16" autocast); weights stay fp32
     seed: int = 0  # model init and batch sampling
     eval_batch_size: int = 512  # prompts per greedy-decoding batch in the final evaluation
 

@@ -41,21 +41,39 @@ cancel_jobs() {
 }
 
 # slurmstepd processes outlive slurmd by design (so that a slurmd restart keeps jobs running). After
-# cancelling all jobs there should be none; any left over belongs to this (the only) slurmd on the host.
+# cancelling all jobs there should be none; any left over belongs to this (the only) slurmd on the
+# host, and is killed together with its descendants (the job's processes).
 kill_leftover_stepds() {
-  local p comm stepd_pids=()
+  local p pid comm stat rest ppid
+  local -A parent=() doomed=()
   for p in /proc/[0-9]*; do
-    comm=""
+    pid=${p#/proc/}
+    comm="" stat=""
     read -r comm 2>/dev/null <"$p/comm" || true
-    if [[ $comm == slurmstepd ]]; then stepd_pids+=("${p#/proc/}"); fi
+    read -r stat 2>/dev/null <"$p/stat" || true
+    rest=${stat##*) } # "<pid> (<comm>) <state> <ppid> ...": skip past the comm field
+    read -r _ ppid _ <<<"$rest" || true
+    parent[$pid]=${ppid:-0}
+    if [[ $comm == slurmstepd ]]; then doomed[$pid]=1; fi
   done
-  if ((${#stepd_pids[@]} == 0)); then return 0; fi
-  log "WARNING: killing leftover slurmstepd processes: ${stepd_pids[*]}"
-  kill -KILL "${stepd_pids[@]}" 2>/dev/null || true
+  if ((${#doomed[@]} == 0)); then return 0; fi
+  local added=1
+  while ((added)); do
+    added=0
+    for pid in "${!parent[@]}"; do
+      if [[ -z ${doomed[$pid]:-} && -n ${doomed[${parent[$pid]}]:-} ]]; then
+        doomed[$pid]=1
+        added=1
+      fi
+    done
+  done
+  log "WARNING: killing leftover slurmstepd processes and their children: ${!doomed[*]}"
+  kill -KILL "${!doomed[@]}" 2>/dev/null || true
 }
 
 main() {
   require_root
+  take_lock 120 --or-continue
   local had_slurmd=0
   if daemon_running slurmd; then had_slurmd=1; fi
   cancel_jobs

@@ -8,10 +8,13 @@
 #                              SLURM_CONF in every shell that runs sbatch/srun/sacct/submitit)
 #   FP8RL_SLURM_STATE_DIR      state, logs, PID files, MariaDB data   [/var/lib/fp8rl-slurm]
 #   FP8RL_SLURM_UP_TIMEOUT     seconds up.sh waits for readiness      [60]
+#   FP8RL_SLURM_OVERSUBSCRIBE  jobs that may share one core (1: none)  [4]
 #   FP8RL_SLURM_CTLD_PORT / FP8RL_SLURM_SLURMD_PORT / FP8RL_SLURM_DBD_PORT   [6817 / 6818 / 6819]
 
-export SLURM_CONF="${SLURM_CONF:-/etc/slurm/slurm.conf}"
-STATE_DIR="${FP8RL_SLURM_STATE_DIR:-/var/lib/fp8rl-slurm}"
+# Absolute paths: the daemons change their working directory.
+SLURM_CONF="$(realpath -m "${SLURM_CONF:-/etc/slurm/slurm.conf}")"
+export SLURM_CONF
+STATE_DIR="$(realpath -m "${FP8RL_SLURM_STATE_DIR:-/var/lib/fp8rl-slurm}")"
 CONF_DIR="$(dirname "$SLURM_CONF")"
 DBD_CONF="$CONF_DIR/slurmdbd.conf"
 RUN_DIR="$STATE_DIR/run"
@@ -27,6 +30,7 @@ PARTITION=local
 CTLD_PORT="${FP8RL_SLURM_CTLD_PORT:-6817}"
 SLURMD_PORT="${FP8RL_SLURM_SLURMD_PORT:-6818}"
 DBD_PORT="${FP8RL_SLURM_DBD_PORT:-6819}"
+OVERSUBSCRIBE="${FP8RL_SLURM_OVERSUBSCRIBE:-4}"
 MARKER="# Managed by fp8rl slurm/local/up.sh"
 NODE="$(hostname -s)"
 
@@ -49,6 +53,21 @@ die() { log "ERROR: $*"; exit 1; }
 
 require_root() {
   [[ $(id -u) -eq 0 ]] || die "must run as root (installs packages, runs munged/slurmctld/slurmd/slurmdbd/mariadbd)"
+}
+
+# take_lock: serialise up.sh/down.sh runs (e.g. two test sessions starting the cluster at once would
+# otherwise start two slurmctld, and the second one kills the first). Held until the script exits.
+# Every daemon must be started with `9>&-`: an inherited fd 9 would hold the lock for its lifetime.
+# take_lock WAIT_S [--or-continue]
+take_lock() {
+  local wait_s=$1 lock_dir=/run/lock
+  [[ -d $lock_dir ]] || lock_dir=/tmp
+  exec 9>"$lock_dir/fp8rl-slurm.lock"
+  flock -n 9 && return 0
+  log "waiting (up to ${wait_s}s) for another slurm/local/up.sh or down.sh to finish"
+  flock -w "$wait_s" 9 && return 0
+  [[ ${2:-} == --or-continue ]] || die "could not get $lock_dir/fp8rl-slurm.lock within ${wait_s}s"
+  log "WARNING: $lock_dir/fp8rl-slurm.lock still held after ${wait_s}s; continuing without it"
 }
 
 # daemon_pid NAME: print the PID of our running daemon NAME, or fail.

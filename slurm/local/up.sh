@@ -35,6 +35,7 @@ restore_policy() {
   if [[ -e $POLICY_BACKUP ]]; then mv -f "$POLICY_BACKUP" "$POLICY"; fi
 }
 trap restore_policy EXIT
+trap 'exit 130' INT TERM # run the EXIT trap on Ctrl-C / kill too
 
 install_packages() {
   local missing=() p t0
@@ -49,11 +50,13 @@ install_packages() {
   if [[ -e $POLICY ]]; then mv -f "$POLICY" "$POLICY_BACKUP"; fi
   printf '#!/bin/sh\n%s\nexit 101\n' "$POLICY_TAG" >"$POLICY"
   chmod 0755 "$POLICY"
-  local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}")
-  if ! "${apt[@]}" >>"$LOG_DIR/apt.log" 2>&1; then
+  # Wait up to 5 min for the dpkg lock if someone else is installing packages.
+  local apt=(env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 -y -q)
+  if ! "${apt[@]}" install --no-install-recommends "${missing[@]}" >>"$LOG_DIR/apt.log" 2>&1; then
     log "apt-get install failed; running apt-get update and retrying"
-    apt-get update -q >>"$LOG_DIR/apt.log" 2>&1 || true
-    "${apt[@]}" >>"$LOG_DIR/apt.log" 2>&1 || { tail -n 30 "$LOG_DIR/apt.log" >&2; die "apt-get install ${missing[*]} failed"; }
+    "${apt[@]}" update >>"$LOG_DIR/apt.log" 2>&1 || true
+    "${apt[@]}" install --no-install-recommends "${missing[@]}" >>"$LOG_DIR/apt.log" 2>&1 \
+      || { tail -n 30 "$LOG_DIR/apt.log" >&2; die "apt-get install ${missing[*]} failed"; }
   fi
   restore_policy
   log "installed packages in $(($(date +%s) - t0))s"
@@ -98,7 +101,10 @@ node_hardware() {
 }
 
 render() { # render TEMPLATE -> stdout
-  sed -e "s|@CLUSTER@|$CLUSTER|g" -e "s|@NODE@|$NODE|g" -e "s|@NODE_HW@|$NODE_HW|g" \
+  local oversubscribe=NO
+  [[ $OVERSUBSCRIBE =~ ^[0-9]+$ ]] || die "FP8RL_SLURM_OVERSUBSCRIBE must be a number, got '$OVERSUBSCRIBE'"
+  if ((OVERSUBSCRIBE > 1)); then oversubscribe="FORCE:$OVERSUBSCRIBE"; fi
+  sed -e "s|@OVERSUBSCRIBE@|$oversubscribe|g" -e "s|@CLUSTER@|$CLUSTER|g" -e "s|@NODE@|$NODE|g" -e "s|@NODE_HW@|$NODE_HW|g" -e "s|@SLURM_CONF@|$SLURM_CONF|g" \
     -e "s|@PARTITION@|$PARTITION|g" -e "s|@STATE_DIR@|$STATE_DIR|g" \
     -e "s|@CTLD_PORT@|$CTLD_PORT|g" -e "s|@SLURMD_PORT@|$SLURMD_PORT|g" -e "s|@DBD_PORT@|$DBD_PORT|g" "$1"
 }
@@ -125,6 +131,8 @@ write_configs() {
   NODE_HW="$(node_hardware)"
   if install_conf "$HERE/slurm.conf.in" "$SLURM_CONF" 0644; then CHANGED_SLURM_CONF=1; fi
   if install_conf "$HERE/slurmdbd.conf.in" "$DBD_CONF" 0600; then CHANGED_DBD_CONF=1; fi
+  # Read by slurmd at every job start: no restart needed when it changes.
+  install_conf "$HERE/prolog.sh.in" "$STATE_DIR/prolog.sh" 0755 || true
 }
 
 # ------------------------------------------------------------------------------------------------ daemons
@@ -152,14 +160,14 @@ start_munged() {
   fi
   log "starting munged"
   runuser -u munge -- /usr/sbin/munged --pid-file="${PIDFILE[munged]}" --log-file="$LOG_DIR/munged.log" \
-    </dev/null >>"$LOG_DIR/munged.log" 2>&1 || { dump_logs; die "munged failed to start"; }
+    </dev/null >>"$LOG_DIR/munged.log" 2>&1 9>&- || { dump_logs; die "munged failed to start"; }
   wait_for 10 munged munge_works
   STARTED+=(munged)
 }
 
 mariadb_args() {
   printf '%s\n' --no-defaults --user=mysql --datadir="$DB_DIR" --socket="$DB_SOCK" --skip-networking \
-    --skip-name-resolve --innodb-buffer-pool-size=128M --innodb-log-file-size=64M --innodb-lock-wait-timeout=900
+    --skip-name-resolve --innodb-buffer-pool-size=256M --innodb-log-file-size=64M --innodb-lock-wait-timeout=900
 }
 
 db_ping() { mariadb-admin --no-defaults --socket="$DB_SOCK" --connect-timeout=2 ping >/dev/null 2>&1; }
@@ -179,7 +187,7 @@ start_mariadb() {
   (
     cd /
     setsid /usr/sbin/mariadbd "${args[@]}" --pid-file="${PIDFILE[mariadbd]}" --log-error="$LOG_DIR/mariadb.log" \
-      </dev/null >>"$LOG_DIR/mariadb.log" 2>&1 &
+      </dev/null >>"$LOG_DIR/mariadb.log" 2>&1 9>&- &
   )
   wait_for 30 mariadbd db_ping
   STARTED+=(mariadbd)
@@ -188,7 +196,7 @@ start_mariadb() {
 start_slurmdbd() {
   if ! daemon_running slurmdbd; then
     log "starting slurmdbd"
-    MYSQL_UNIX_PORT="$DB_SOCK" slurmdbd </dev/null >>"$LOG_DIR/slurmdbd.stdout" 2>&1 \
+    MYSQL_UNIX_PORT="$DB_SOCK" slurmdbd </dev/null >>"$LOG_DIR/slurmdbd.stdout" 2>&1 9>&- \
       || { dump_logs; die "slurmdbd failed to start"; }
     STARTED+=(slurmdbd)
   fi
@@ -202,7 +210,7 @@ start_slurmdbd() {
 start_slurmctld() {
   daemon_running slurmctld && return 0
   log "starting slurmctld"
-  slurmctld </dev/null >>"$LOG_DIR/slurmctld.stdout" 2>&1 || { dump_logs; die "slurmctld failed to start"; }
+  slurmctld </dev/null >>"$LOG_DIR/slurmctld.stdout" 2>&1 9>&- || { dump_logs; die "slurmctld failed to start"; }
   wait_for 20 slurmctld ctld_up
   STARTED+=(slurmctld)
 }
@@ -210,7 +218,7 @@ start_slurmctld() {
 start_slurmd() {
   daemon_running slurmd && return 0
   log "starting slurmd"
-  slurmd </dev/null >>"$LOG_DIR/slurmd.stdout" 2>&1 || { dump_logs; die "slurmd failed to start"; }
+  slurmd </dev/null >>"$LOG_DIR/slurmd.stdout" 2>&1 9>&- || { dump_logs; die "slurmd failed to start"; }
   STARTED+=(slurmd)
 }
 
@@ -221,10 +229,24 @@ srun_probe() {
 
 # check_ready SECONDS: node idle and `srun true` works (or node busy with jobs); 1 on timeout.
 check_ready() {
-  local secs=$1 deadline state resumed=0
+  local secs=$1 deadline state resumed=0 gone=0 d
   deadline=$(($(date +%s) + secs))
   while (($(date +%s) < deadline)); do
+    # The daemons exit 0 even when they die right after forking: notice that early.
+    for d in slurmctld slurmd; do
+      if ! daemon_running "$d"; then
+        if ((++gone > 15)); then
+          dump_logs
+          die "$d is not running: it exited after starting (its log is above)"
+        fi
+        sleep 0.2
+        continue 2
+      fi
+    done
+    gone=0
     state="$(node_state)"
+    # Flags that do not affect usability: - (planned), + (more states), $ (maintenance), @ ^ (reboot).
+    state="${state%%[-+\$@^]}"
     case "$state" in
       idle)
         if srun_probe; then return 0; fi
@@ -258,6 +280,7 @@ all_running() {
 
 main() {
   require_root
+  take_lock 600 # a first run installs packages
   [[ $NODE =~ ^[A-Za-z0-9][A-Za-z0-9-]*$ ]] || die "unsupported short hostname '$NODE' for a Slurm NodeName"
   if [[ -d $STATE_DIR && ! -e $STATE_DIR/.fp8rl-slurm-state && -n "$(ls -A "$STATE_DIR")" ]]; then
     die "$STATE_DIR is not empty and has no .fp8rl-slurm-state marker: choose another FP8RL_SLURM_STATE_DIR"
@@ -269,7 +292,7 @@ main() {
   write_configs
 
   if ((CHANGED_SLURM_CONF == 0 && CHANGED_DBD_CONF == 0)) && all_running && check_ready 15; then
-    log "already up: node $NODE idle, partition '$PARTITION' (SLURM_CONF=$SLURM_CONF)"
+    log "already up and ready: node $NODE, partition '$PARTITION' (SLURM_CONF=$SLURM_CONF)"
     return 0
   fi
 
@@ -288,7 +311,7 @@ main() {
     dump_logs
     die "cluster not ready after ${TIMEOUT}s: node state '$(node_state)' (logs above, all logs in $LOG_DIR)"
   fi
-  log "up: node $NODE idle, partition '$PARTITION', started: ${STARTED[*]:-nothing}" \
+  log "up and ready: node $NODE, partition '$PARTITION', started: ${STARTED[*]:-nothing}" \
     "(SLURM_CONF=$SLURM_CONF, logs in $LOG_DIR)"
 }
 

@@ -3,6 +3,7 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from fp8rl.models.generate import SamplingConfig, generate, top_p_filter
+from fp8rl.models.gpt import fp8_autocast
 from fp8rl.models.logprobs import (
     causal_padding_mask,
     decode_step_mask,
@@ -135,3 +136,20 @@ def test_sampling_config_validation(bad):
     fields = {"max_new_tokens": 4, "eos_token_id": EOS, "pad_token_id": PAD, **bad}
     with pytest.raises(ValueError):
         SamplingConfig(**fields)
+
+
+def test_fp8_rowwise_rollout_logprobs_match_the_fp8_trainer_recompute(tiny_model):
+    """Per-token activation scales make the cached and the full forward quantize identically."""
+    prompt_ids, prompt_mask = prompt_batch()
+    cfg = SamplingConfig(max_new_tokens=5, eos_token_id=EOS, pad_token_id=PAD)
+    with fp8_autocast(tiny_model, "rowwise"):
+        out = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(2))
+        input_ids = torch.cat([prompt_ids, out.tokens], 1)
+        attention_mask = torch.cat([prompt_mask, out.response_mask], 1)
+        with torch.no_grad():
+            logp, _ = token_logprobs_and_entropy(tiny_model, input_ids, attention_mask, 5)
+    with torch.no_grad():
+        high_precision_logp, _ = token_logprobs_and_entropy(tiny_model, input_ids, attention_mask, 5)
+    valid = out.response_mask.bool()
+    torch.testing.assert_close(out.logprobs[valid], logp[valid], atol=1e-4, rtol=0)
+    assert not torch.allclose(out.logprobs[valid], high_precision_logp[valid], atol=1e-4, rtol=0)

@@ -90,9 +90,7 @@ def encode(values: np.ndarray, fmt: RefFormat) -> np.ndarray:
     biased = np.where(magnitude == 0, 0, np.maximum(frexp_exponent - 1 + fmt.bias, 0))
     normal = biased > 0
     significand = np.where(normal, magnitude / np.ldexp(1.0, biased - fmt.bias) - 1.0, 0.0)
-    mantissa = np.where(
-        normal, significand * 2**fmt.mantissa_bits, magnitude / 2.0 ** (fmt.emin - fmt.mantissa_bits)
-    )
+    mantissa = np.where(normal, significand * 2**fmt.mantissa_bits, magnitude / 2.0 ** (fmt.emin - fmt.mantissa_bits))
     assert np.all(mantissa == np.round(mantissa)), "encode() needs values on the FP8 grid"
     return ((sign << 7) | (biased << fmt.mantissa_bits) | mantissa.astype(np.int64)).astype(np.uint8)
 

@@ -11,6 +11,7 @@ purged, and a reused folder would hand back an old job's result.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,11 +22,12 @@ import pytest
 import submitit
 from submitit.core.utils import UncompletedJobError
 
-from ._slurm_testlib import result_within
+from ._slurm_testlib import PROFILES_DIR, result_within
 
 pytestmark = pytest.mark.integration
 
-# The job's interpreter cannot import this test module: ship its functions and classes by value.
+# Whether the job's interpreter could import this module depends on its cwd and sys.path: ship the
+# functions and classes defined here by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
@@ -79,7 +81,8 @@ def test_cluster_is_up(slurm_cluster: dict[str, str]) -> None:
     node, partition = slurm_cluster["node"], slurm_cluster["partition"]
     state = subprocess.check_output(["sinfo", "-h", "-p", partition, "-n", node, "-o", "%T"], text=True).split()
     assert state and state[0] in {"idle", "mixed", "allocated"}, state
-    out = subprocess.run(["srun", "-p", partition, "-t", "1", "hostname", "-s"], capture_output=True, text=True)
+    cmd = ["srun", "-p", partition, "-t", "1", "hostname", "-s"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == node, out
     # Accounting works: submitit learns job states from sacct.
     subprocess.run(["sacct", "-n", "-X", "-j", "1"], check=True, capture_output=True, timeout=30)
@@ -96,6 +99,26 @@ def test_submitit_job_returns_result(slurm_cluster: dict[str, str], make_executo
     assert job_id == job.job_id
     # The result came from the result pickle; accounting must agree (submitit relies on it otherwise).
     wait_until(lambda: job.watcher.get_state(job.job_id, mode="force") == "COMPLETED", 30, "sacct: COMPLETED")
+
+
+@pytest.mark.timeout(120)
+def test_job_starting_before_its_log_folder_exists(
+    slurm_cluster: dict[str, str], make_executor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """submitit creates the job's folder (<folder>/<job id>/, where Slurm writes the job's stdout) only
+    after sbatch has returned the job id. On this idle one-node cluster a job can start before that,
+    and Slurm would fail it ("Could not open stdout file"). The cluster's Prolog waits for the folder:
+    delay its creation on purpose and check that the job still succeeds."""
+    move = submitit.core.utils.JobPaths.move_temporary_file
+
+    def slow_move(self, *args, **kwargs):
+        time.sleep(3)
+        return move(self, *args, **kwargs)
+
+    monkeypatch.setattr(submitit.core.utils.JobPaths, "move_temporary_file", slow_move)
+    executor = make_executor(tmp_path, timeout_min=2)
+    job = executor.submit(add_on_slurm, 1, 2)
+    assert result_within(job, 60)[0] == 3
 
 
 @pytest.mark.timeout(120)
@@ -155,3 +178,42 @@ def test_checkpoint_requeue_resumes(
     checkpoints = work / "checkpoints.log"
     n_checkpoints = len(checkpoints.read_text().splitlines()) if checkpoints.exists() else 0
     assert n_checkpoints == (1 if mechanism == "submitit_interrupt_timeout" else 0)
+
+
+HYDRA_APP = """
+import os
+
+import hydra
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg):
+    with open(os.path.join(cfg.out_dir, f"x{cfg.x}.txt"), "w") as f:
+        f.write(os.environ["SLURM_ARRAY_JOB_ID"] + "_" + os.environ["SLURM_ARRAY_TASK_ID"])
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_hydra_multirun_with_local_profile(slurm_cluster: dict[str, str], tmp_path: Path) -> None:
+    """slurm/profiles/local.yaml used as-is as a hydra/launcher config: a 2-job sweep runs on Slurm."""
+    (tmp_path / "conf" / "hydra" / "launcher").mkdir(parents=True)
+    shutil.copy(PROFILES_DIR / "local.yaml", tmp_path / "conf" / "hydra" / "launcher" / "slurm_local.yaml")
+    (tmp_path / "conf" / "config.yaml").write_text("x: 0\nout_dir: ???\n")
+    (tmp_path / "app.py").write_text(HYDRA_APP)
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "app.py", "--multirun", "hydra/launcher=slurm_local", "x=1,2"]
+    cmd += [f"out_dir={out}", f"hydra.sweep.dir={tmp_path / 'multirun'}", "hydra.launcher.timeout_min=2"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    print(f"\n[slurm] hydra 2-job sweep: {time.monotonic() - t0:.1f}s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = {p.name: p.read_text() for p in out.iterdir()}
+    assert sorted(written) == ["x1.txt", "x2.txt"], written
+    # Hydra's sweep is one Slurm job array: same array job id, task ids 0 and 1.
+    array_ids, task_ids = zip(*(v.split("_") for v in written.values()), strict=True)
+    assert len(set(array_ids)) == 1 and sorted(task_ids) == ["0", "1"], written

@@ -31,7 +31,15 @@ def test_problem_sets_are_deterministic_disjoint_and_correct(task):
     assert not set(task.train_problems) & set(task.eval_problems)
     for problem in task.eval_problems:
         a, b = problem.prompt.rstrip("=").split("+")
-        assert 0 <= int(a) < 1000 and 0 <= int(b) < 1000 and int(problem.answer) == int(a) + int(b)
+        assert 100 <= int(a) < 1000 and 100 <= int(b) < 1000 and int(problem.answer) == int(a) + int(b)
+
+
+def test_operand_widths():
+    fixed = ArithmeticConfig(num_digits=2, num_train=100, num_eval=10)
+    free = ArithmeticConfig(num_digits=2, num_train=100, num_eval=10, fixed_width=False)
+    assert problem_universe_size(fixed) == 90**2 and problem_universe_size(free) == 100**2
+    operands = [int(x) for p in ArithmeticTask(free).train_problems for x in p.prompt.rstrip("=").split("+")]
+    assert min(operands) < 10 <= max(operands)
 
 
 def test_other_seed_gives_other_problems(task):

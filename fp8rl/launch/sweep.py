@@ -1,0 +1,427 @@
+"""The idempotent sweep runner behind ``fp8rl sweep`` / ``make sweep``.
+
+1. Expand the experiment (or an explicit list of points) into resolved `RunConfig`s (Hydra compose).
+2. Validate ALL of them against the config rules and the launcher (a GPU-only setting on a launcher
+   without GPUs, two points that compute the same run, ...) before anything is submitted; every
+   error is reported at once, each naming the point and what to change.
+3. One MLflow experiment per sweep, a parent run (tag ``fp8rl.sweep``) reused across launches; the
+   children nest under it and carry the sweep axes as ``sweep.<axis>`` tags.
+4. Skip points whose config hash has a FINISHED run in the experiment, and points whose Slurm job is
+   still queued or running; submit the rest as `TrainJob`s (checkpointable: the trainer resumes from
+   ``<root>/<sweep>/<config hash>`` and continues its MLflow run).
+
+``dry_run`` stops after step 2 and the MLflow/queue lookups of step 4, and prints the plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8rl.config import ConfigError, RunConfig, config_hash, to_dict, validate
+from fp8rl.launch import runs
+from fp8rl.launch.experiment import SweepDefinition, SweepPoint, axis_tag, expand_experiment, expand_points
+from fp8rl.launch.launchers import Launcher, check_fits, gpu_requirements, make_executor, resolve_launcher
+
+DEFAULT_ROOT = Path("outputs/sweeps")
+LIVE_SLURM_STATES = (
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "CONFIGURING",
+    "COMPLETING",
+    "SUSPENDED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+)
+
+
+class SweepConfigError(ConfigError):
+    """Some points of a sweep cannot run; nothing was submitted."""
+
+
+@dataclass
+class SweepRequest:
+    """What to launch (the arguments of ``fp8rl sweep``)."""
+
+    experiment: str | None = None  # file in sweeps/experiment/ (or give `points`)
+    points: list[list[str]] | None = None  # explicit points: Hydra overrides per run
+    overrides: list[str] = field(default_factory=list)  # applied to every point; sweeps (a=1,2) add axes
+    scale: str | None = None  # "tiny" or "paper" (None: the experiment's default, tiny)
+    launcher: str = "local"  # "local", "slurm" or "inline"
+    profile: str | None = None  # Slurm cluster profile (slurm/profiles/<name>.yaml); default "local"
+    launcher_overrides: dict[str, Any] = field(default_factory=dict)  # profile fields, e.g. {"timeout_min": 30}
+    name: str | None = None  # sweep name = MLflow experiment (default: the experiment's tracking.experiment)
+    root: Path = DEFAULT_ROOT  # run folders: <root>/<name>/<config hash>, submitit files in <root>/<name>/.submitit
+    tracking_uri: str | None = None  # default: the config's, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    dry_run: bool = False  # validate and print the plan; submit nothing, create nothing
+    wait: bool | None = None  # wait for the jobs (default: yes for local/inline, no for Slurm)
+    max_parallel: int | None = None  # local launcher: jobs at once (default: half the CPUs)
+    timeout_s: float | None = None  # give up waiting after this long
+
+
+@dataclass
+class PlannedRun:
+    """One point of the sweep and what happens to it."""
+
+    point: SweepPoint
+    cfg: RunConfig
+    config_hash: str
+    status: str = "new"  # new | resume | finished | in-flight
+    job_id: str | None = None
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def to_submit(self) -> bool:
+        return self.status in ("new", "resume")
+
+
+@dataclass
+class SweepReport:
+    name: str
+    tracking_uri: str
+    launcher: str
+    runs: list[PlannedRun]
+    experiment_id: str | None = None
+    parent_run_id: str | None = None
+    dry_run: bool = False
+
+    @property
+    def submitted(self) -> list[PlannedRun]:
+        return [r for r in self.runs if r.job_id is not None]
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.runs)
+
+
+def run_sweep(req: SweepRequest, console: Any | None = None) -> SweepReport:
+    """Plan, validate, skip what is done, submit the rest; see the module docstring."""
+    definition = define(req)
+    launcher = resolve_launcher(req.launcher, req.profile, req.launcher_overrides, req.max_parallel)
+    name = req.name or _default_name(definition)
+    uri = runs.absolute_tracking_uri(req.tracking_uri or _first_cfg(definition).tracking.tracking_uri)
+    planned = prepare(definition, name, launcher, uri, req.root)
+    report = SweepReport(name, uri, launcher.describe(), planned, dry_run=req.dry_run)
+    mark_existing(report, create=not req.dry_run, definition=definition)
+    mark_in_flight(report)
+    if not req.dry_run:
+        submit(report, launcher, req)
+    print_report(report, console)
+    return report
+
+
+def define(req: SweepRequest) -> SweepDefinition:
+    if (req.experiment is None) == (req.points is None):
+        raise ConfigError("give exactly one of an experiment name or an explicit list of points")
+    if req.experiment is not None:
+        return expand_experiment(req.experiment, req.scale, req.overrides)
+    base = [*req.overrides, *([f"scale={req.scale}"] if req.scale else [])]
+    return expand_points(req.points or [], base)
+
+
+def _first_cfg(definition: SweepDefinition) -> RunConfig:
+    return next((p.cfg for p in definition.points if p.cfg is not None), RunConfig())
+
+
+def _default_name(definition: SweepDefinition) -> str:
+    name = _first_cfg(definition).tracking.experiment
+    if definition.experiment is None and name == RunConfig().tracking.experiment:
+        raise ConfigError("an explicit list of points needs a sweep name (--name / SweepRequest.name)")
+    return name
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def prepare(definition: SweepDefinition, name: str, launcher: Launcher, uri: str, root: Path) -> list[PlannedRun]:
+    """Finalize and validate every point; raise SweepConfigError listing every bad one."""
+    planned, errors = [], []
+    for index, point in enumerate(definition.points):
+        try:
+            planned.append(_prepare_point(point, definition, name, launcher, uri, root))
+        except ConfigError as err:
+            errors.append(f"point {index} [{point.label}]: {err}\n    overrides: {' '.join(point.overrides)}")
+    errors += _duplicates(planned)
+    if errors:
+        head = f"sweep {name!r}: {len(errors)} of {len(definition.points)} point(s) cannot run; nothing was submitted"
+        raise SweepConfigError("\n".join([head, *errors]))
+    return planned
+
+
+def _prepare_point(
+    point: SweepPoint, definition: SweepDefinition, name: str, launcher: Launcher, uri: str, root: Path
+) -> PlannedRun:
+    if point.cfg is None:
+        raise ConfigError(f"does not compose: {point.error}")
+    cfg = copy.deepcopy(point.cfg)
+    t = cfg.tracking
+    t.tracking_uri, t.experiment, t.run_name = uri, name, point.label if point.axes else None
+    t.tags = {
+        **t.tags,
+        runs.SWEEP_TAG: name,
+        "fp8rl.experiment": definition.experiment or "",
+        "fp8rl.scale": definition.scale or "",
+        "fp8rl.point": point.label,
+        **{axis_tag(k): v for k, v in point.axes.items()},
+    }
+    if launcher.cpus_per_task and not cfg.trainer.threads:
+        cfg.trainer.threads = launcher.cpus_per_task
+    check_fits(cfg, launcher)
+    validate(cfg, cuda_available=bool(gpu_requirements(cfg)))
+    digest = config_hash(cfg)
+    cfg.trainer.out_dir = str((root / _safe(name) / digest).resolve())
+    cfg.warmstart.cache_dir = str(Path(cfg.warmstart.cache_dir).resolve())
+    return PlannedRun(point, cfg, digest)
+
+
+def _duplicates(planned: list[PlannedRun]) -> list[str]:
+    seen: dict[str, PlannedRun] = {}
+    errors = []
+    for run in planned:
+        first = seen.setdefault(run.config_hash, run)
+        if first is not run:
+            errors.append(
+                f"points [{first.point.label}] and [{run.point.label}] compute the same run (config hash "
+                f"{run.config_hash}): an axis value has no effect there; drop one of them"
+            )
+    return errors
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+# ------------------------------------------------------------------------------------------------ what exists
+def mark_existing(report: SweepReport, create: bool, definition: SweepDefinition) -> None:
+    """Find the sweep's MLflow experiment and parent run; mark finished / resumable points."""
+    if not create and not runs.store_exists(report.tracking_uri):
+        return  # a dry run creates nothing, not even an empty sqlite store
+    mlflow_client = runs.client(report.tracking_uri)
+    report.experiment_id = runs.experiment_id(mlflow_client, report.name, create=create)
+    if report.experiment_id is None:
+        return
+    status = runs.hashes_by_status(runs.child_runs(mlflow_client, report.experiment_id))
+    started = set().union(*status.values()) if status else set()
+    for run in report.runs:
+        if run.config_hash in status.get("FINISHED", set()):
+            run.status = "finished"
+        elif run.config_hash in started or Path(run.cfg.trainer.out_dir, "checkpoints").exists():
+            run.status = "resume"
+    if create:
+        tags = {
+            "fp8rl.experiment": definition.experiment or "",
+            "fp8rl.scale": definition.scale or "",
+            "fp8rl.axes": ",".join(axis_tag(a) for a in definition.axes),
+        }
+        report.parent_run_id = runs.ensure_parent(mlflow_client, report.experiment_id, report.name, tags)
+        for run in report.runs:
+            run.cfg.tracking.parent_run_id = report.parent_run_id
+    else:
+        parent = runs.find_parent(mlflow_client, report.experiment_id, report.name)
+        report.parent_run_id = parent.info.run_id if parent else None
+
+
+def job_name(sweep: str, digest: str) -> str:
+    return f"fp8rl-{_safe(sweep)}-{digest}"
+
+
+def mark_in_flight(report: SweepReport) -> None:
+    """Points whose Slurm job (named after sweep and config hash) is still queued or running."""
+    if shutil.which("squeue") is None:
+        return
+    proc = subprocess.run(["squeue", "-h", "-o", "%j|%i|%T"], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        return
+    live = {}
+    for line in proc.stdout.splitlines():
+        job, job_id, state = (line.split("|") + ["", "", ""])[:3]
+        if state in LIVE_SLURM_STATES:
+            live[job] = job_id
+    for run in report.runs:
+        job_id = live.get(job_name(report.name, run.config_hash))
+        if job_id and run.status != "finished":
+            run.status, run.job_id = "in-flight", None
+            run.result = {"slurm_job": job_id}
+
+
+# ------------------------------------------------------------------------------------------------ submission
+def submit(report: SweepReport, launcher: Launcher, req: SweepRequest) -> None:
+    todo = [r for r in report.runs if r.to_submit]
+    if todo:
+        # A fresh submitit folder per launch: Slurm job ids restart at 1 when its state is wiped.
+        folder = req.root / _safe(report.name) / ".submitit" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        _write_plan(report, folder)
+        wait = req.wait if req.wait is not None else launcher.kind != "slurm"
+        if launcher.kind == "inline":
+            _run_inline(todo)
+        elif launcher.kind == "local":
+            _run_pool(todo, make_executor(launcher, folder, f"fp8rl-{report.name}"), launcher.max_parallel, req)
+        else:
+            _submit_slurm(todo, report.name, launcher, folder, wait, req.timeout_s)
+    _finish_parent(report)
+
+
+def _write_plan(report: SweepReport, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = [
+        {
+            "label": r.point.label,
+            "config_hash": r.config_hash,
+            "status": r.status,
+            "overrides": r.point.overrides,
+            "out_dir": r.cfg.trainer.out_dir,
+        }
+        for r in report.runs
+    ]
+    (folder / "plan.json").write_text(json.dumps({"sweep": report.name, "runs": plan}, indent=2))
+
+
+def _run_inline(todo: list[PlannedRun]) -> None:
+    from fp8rl.launch.job import TrainJob
+
+    for run in todo:
+        run.job_id = "inline"
+        try:
+            run.result = TrainJob(to_dict(run.cfg))()
+        except Exception as err:  # noqa: BLE001 - one failed point must not stop the others
+            run.error = f"{type(err).__name__}: {err}"
+
+
+def _run_pool(todo: list[PlannedRun], executor: Any, max_parallel: int, req: SweepRequest) -> None:
+    """Local executor: at most `max_parallel` jobs at once, waiting for all."""
+    from fp8rl.launch.job import TrainJob
+
+    queue, running = list(todo), []
+    deadline = time.monotonic() + req.timeout_s if req.timeout_s else None
+    while queue or running:
+        while queue and len(running) < max_parallel:
+            run = queue.pop(0)
+            job = executor.submit(TrainJob(to_dict(run.cfg)))
+            run.job_id = str(job.job_id)
+            running.append((run, job))
+        running = _collect_done(running)
+        _check_deadline(deadline, running)
+        time.sleep(0.5 if running else 0)
+
+
+def _submit_slurm(
+    todo: list[PlannedRun], sweep: str, launcher: Launcher, folder: Path, wait: bool, timeout_s: float | None
+) -> None:
+    """One Slurm job per point, named after the sweep and config hash (re-launches find it in squeue)."""
+    from fp8rl.launch.job import TrainJob
+
+    jobs = []
+    for run in todo:
+        executor = make_executor(launcher, folder, job_name(sweep, run.config_hash))
+        job = executor.submit(TrainJob(to_dict(run.cfg)))
+        run.job_id = str(job.job_id)
+        jobs.append((run, job))
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    while wait and jobs:
+        jobs = _collect_done(jobs)
+        _check_deadline(deadline, jobs)
+        time.sleep(2.0 if jobs else 0)
+
+
+def _collect_done(jobs: list[tuple[PlannedRun, Any]]) -> list[tuple[PlannedRun, Any]]:
+    pending = []
+    for run, job in jobs:
+        if not job.done():
+            pending.append((run, job))
+            continue
+        try:
+            run.result = job.result()
+        except Exception as err:  # noqa: BLE001 - submitit re-raises the job's exception with its traceback
+            run.error = f"{type(err).__name__}: {str(err)[-3000:]}"
+    return pending
+
+
+def _check_deadline(deadline: float | None, pending: list[tuple[PlannedRun, Any]]) -> None:
+    if deadline is not None and pending and time.monotonic() > deadline:
+        ids = ", ".join(str(job.job_id) for _, job in pending)
+        raise TimeoutError(f"jobs {ids} still running after the sweep's timeout; they keep running")
+
+
+def _finish_parent(report: SweepReport) -> None:
+    if report.parent_run_id is None:
+        return
+    if any(r.error for r in report.runs):
+        status = "FAILED"
+    elif all(r.status == "finished" or (r.result is not None and r.status != "in-flight") for r in report.runs):
+        status = "FINISHED"
+    else:
+        status = "RUNNING"
+    runs.finish_parent(runs.client(report.tracking_uri), report.parent_run_id, status)
+
+
+# ------------------------------------------------------------------------------------------------ output
+def print_report(report: SweepReport, console: Any | None = None) -> None:
+    from rich.table import Table
+
+    console = console or runs.wide_console()
+    verb = "would submit" if report.dry_run else "submitted"
+    table = Table(title=f"sweep {report.name} ({report.launcher}; MLflow {report.tracking_uri})")
+    for column in ("#", "point", "config hash", "status", "job", "result"):
+        table.add_column(column)
+    for index, run in enumerate(report.runs):
+        table.add_row(
+            str(index), run.point.label, run.config_hash, _status(run, report.dry_run), run.job_id or "-", _outcome(run)
+        )
+    console.print(table)
+    todo = sum(r.to_submit for r in report.runs)
+    console.print(
+        f"{report.count('finished')} finished (skipped), {report.count('in-flight')} in flight (skipped), "
+        f"{todo} {verb}" + (f"; parent run {report.parent_run_id}" if report.parent_run_id else "")
+    )
+    if report.dry_run:
+        for run in report.runs:
+            if run.to_submit:
+                console.print(f"  python -m fp8rl.train {' '.join(run.point.overrides)}", soft_wrap=True)
+
+
+def _status(run: PlannedRun, dry_run: bool) -> str:
+    if not run.to_submit:
+        return run.status
+    resume = run.status == "resume"
+    if dry_run:
+        return "would resume" if resume else "would start"
+    return "resumed" if resume else "started"
+
+
+def _outcome(run: PlannedRun) -> str:
+    if run.error:
+        return "[red]" + run.error.strip().splitlines()[-1][:100]
+    if not run.result:
+        return ""
+    if "slurm_job" in run.result:
+        return f"slurm job {run.result['slurm_job']}"
+    final = run.result.get("final_eval") or {}
+    acc = final.get("eval/accuracy")
+    return f"run {run.result.get('run_id')}" + (f", eval/accuracy {acc:.3f}" if acc is not None else "")
+
+
+def plan_as_dict(report: SweepReport) -> list[dict[str, Any]]:
+    """The plan in plain data (tests, --json)."""
+    return [
+        {
+            "label": r.point.label,
+            "config_hash": r.config_hash,
+            "status": r.status,
+            "job_id": r.job_id,
+            "error": r.error,
+            "overrides": r.point.overrides,
+            "cfg": dataclasses.asdict(r.cfg),
+        }
+        for r in report.runs
+    ]

