@@ -60,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per config (after one warm-up)")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step (x group size 8)")
-    parser.add_argument("--warmstart-steps", type=int, default=300)
+    parser.add_argument("--warmstart-steps", type=int, default=400)
     parser.add_argument("--interval", type=int, default=20, help="calibration interval K for the overhead estimate")
     parser.add_argument("--out", type=str, default=None)
     args = parser.parse_args()

@@ -12,6 +12,7 @@ This module imports no torch at import time: a job unpickles it before doing any
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ def train(cfg: RunConfig, submitted_at: float, started_at: float) -> dict[str, A
             return {"run_id": finished, "config_hash": digest, "already_finished": True, "out_dir": cfg.trainer.out_dir}
         wal = Path(cfg.trainer.out_dir) / "tracking_wal.jsonl"
         tracker = AsyncTracker(make_tracker(cfg, resumable), wal, submitted_at, started_at)
+        tracker.set_tags(_attempt_tags(cfg))
     summary = run(cfg, tracker=tracker)
     return {
         "run_id": summary.run_id,
@@ -70,6 +72,17 @@ def train(cfg: RunConfig, submitted_at: float, started_at: float) -> dict[str, A
         "steps_done": summary.steps_done,
         "final_eval": summary.final_eval,
         "out_dir": summary.out_dir,
+    }
+
+
+def _attempt_tags(cfg: RunConfig) -> dict[str, str]:
+    """Where this attempt starts: the checkpoint it resumes from, and Slurm's restart count."""
+    from fp8rl.trainer import checkpoint as ckpt
+
+    latest = ckpt.latest_checkpoint(cfg.trainer.out_dir)
+    return {
+        "fp8rl.resumed_from": latest.name if latest else "none",
+        "fp8rl.slurm_restarts": os.environ.get("SLURM_RESTART_COUNT", "0"),
     }
 
 

@@ -1,0 +1,60 @@
+"""Directions around the launcher: nothing below it imports it, and planning a sweep needs no torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "fp8rl"
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """Modules imported at module level (not inside functions)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def _all_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_only_the_cli_imports_the_launcher() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "launch" or path.name == "cli.py":
+            continue
+        hits = [m for m in _all_imports(path) if m.startswith("fp8rl.launch")]
+        assert not hits, f"{path.relative_to(PACKAGE.parent)} imports {hits}: the trainer knows no launcher"
+
+
+def test_launcher_modules_import_no_torch_at_module_level() -> None:
+    for path in (PACKAGE / "launch").glob("*.py"):
+        heavy = [m for m in _top_level_imports(path) if m.split(".")[0] in ("torch", "megatron")]
+        heavy += [m for m in _top_level_imports(path) if m.startswith(("fp8rl.trainer", "fp8rl.models"))]
+        assert not heavy, f"{path.name} imports {heavy} at module level"
+
+
+@pytest.mark.timeout(300)
+def test_a_dry_run_plans_without_importing_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys; from fp8rl.cli import main; "
+        f"rc = main(['sweep', 'grpo_granularity', '--dry-run', '--root', {str(tmp_path)!r}, "
+        f"'--tracking-uri', 'sqlite:///{tmp_path}/none.db']); "
+        "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

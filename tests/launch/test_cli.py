@@ -1,0 +1,51 @@
+"""The ``fp8rl`` command line (in-process): experiments, sweep --dry-run, config errors, compare."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fp8rl.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_experiments_lists_the_files(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["experiments"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo_granularity" in out and "Paper table: GRPO" in out
+
+
+def test_sweep_dry_run_prints_the_plan_and_submits_nothing(
+    tmp_path: Path, sqlite_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sweep", "ablation_recal_interval", "--dry-run", "--root", str(tmp_path), "--tracking-uri", sqlite_uri]
+    assert main([*argv, "trainer.seed=0,1"]) == 0  # an override after the options: a second axis
+    out = capsys.readouterr().out
+    assert "ablation_recal_interval-tiny" in out and "6 would submit" in out
+    assert "python -m fp8rl.train experiment=ablation_recal_interval clipping.interval=40 trainer.seed=1" in out
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
+
+
+def test_sweep_config_error_exits_2_with_advice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "dapo_table", "--scale", "paper", "--dry-run", "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "3 of 3 point(s) cannot run" in err and "--profile example_h100" in err
+
+
+def test_unknown_arguments_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        main(["sweep", "dapo_table", "--bogus"])
+    with pytest.raises(SystemExit):
+        main(["experiments", "x=1"])
+
+
+def test_compare_of_an_unknown_experiment(sqlite_uri: str) -> None:
+    with pytest.raises(SystemExit, match="no MLflow store at"):
+        main(["compare", "--experiment", "nope", "--tracking-uri", sqlite_uri])
+    from fp8rl.launch import runs
+
+    runs.client(sqlite_uri).search_experiments()  # creates the store
+    with pytest.raises(SystemExit, match="no MLflow experiment named 'nope'"):
+        main(["compare", "--experiment", "nope", "--tracking-uri", sqlite_uri])

@@ -1,0 +1,142 @@
+"""Every experiment in sweeps/experiment/ composes, validates at both scales, and runs for a couple of steps.
+
+Composing and validating covers every point of every experiment; running covers one representative
+point per experiment (its last one, the calibrated arm where there is one) for 2 CPU steps, so that no
+experiment file rots.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from fp8rl.config import ConfigError, to_dict
+from fp8rl.launch.experiment import expand_experiment, expand_points, list_experiments
+from fp8rl.launch.launchers import resolve_launcher
+from fp8rl.launch.sweep import SweepConfigError, prepare
+
+EXPECTED = {  # experiment -> (points, axes)
+    "grpo_granularity": (7, ["+experiment/arm"]),
+    "dapo_table": (3, ["+experiment/arm"]),
+    "ablation_recal_interval": (3, ["clipping.interval"]),
+    "ablation_init_bounds": (2, ["+experiment/arm"]),
+    "fp8_rollout_baseline": (4, ["precision", "clipping"]),
+}
+PAPER_MODELS = {"dapo_table": "qwen3_14b"}
+URI = "sqlite:///unused.db"
+
+
+def test_every_experiment_is_known() -> None:
+    assert list_experiments() == sorted(EXPECTED)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("experiment", sorted(EXPECTED))
+def test_all_points_compose_and_validate_at_tiny_scale(experiment: str, tmp_path: Path, tiny: list[str]) -> None:
+    definition = expand_experiment(experiment, "tiny", tiny)
+    n_points, axes = EXPECTED[experiment]
+    assert (len(definition.points), definition.axes, definition.scale) == (n_points, axes, "tiny")
+    planned = prepare(definition, f"{experiment}-tiny", resolve_launcher("local"), URI, tmp_path)
+    assert len({p.config_hash for p in planned}) == n_points
+    for run in planned:
+        assert (run.cfg.model.preset, run.cfg.model.device, run.cfg.trainer.steps) == ("tiny", "cpu", 2)
+        assert run.cfg.tracking.experiment == f"{experiment}-tiny"
+        assert run.cfg.trainer.out_dir == str((tmp_path / f"{experiment}-tiny" / run.config_hash).resolve())
+        assert all(
+            run.cfg.tracking.tags[f"sweep.{k.split('/')[-1].lstrip('+')}"] == v for k, v in run.point.axes.items()
+        )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("experiment", sorted(EXPECTED))
+def test_all_points_validate_at_paper_scale_on_a_gpu_profile(experiment: str, tmp_path: Path) -> None:
+    definition = expand_experiment(experiment, "paper")
+    planned = prepare(definition, experiment, resolve_launcher("slurm", "example_h100"), URI, tmp_path)
+    assert len(planned) == EXPECTED[experiment][0]
+    for run in planned:
+        cfg = run.cfg
+        assert cfg.model.preset == PAPER_MODELS.get(experiment, "qwen3_8b")
+        assert (cfg.model.device, cfg.precision.backend) == ("cuda", "te")
+        assert cfg.algo.prompts_per_step * cfg.algo.group_size == 256  # the paper's batch
+        assert cfg.trainer.threads == 12  # the profile's cpus_per_task
+    # The same points on a launcher without GPUs fail before anything is submitted, saying what to change.
+    with pytest.raises(SweepConfigError, match=r"need a GPU, but launcher local has none: use scale=tiny"):
+        prepare(definition, experiment, resolve_launcher("local"), URI, tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_paper_scale_differs_from_tiny_only_in_size() -> None:
+    tiny = expand_experiment("dapo_table", "tiny").points[-1].cfg
+    paper = expand_experiment("dapo_table", "paper").points[-1].cfg
+    assert tiny.algo.name == paper.algo.name == "dapo"
+    assert tiny.clipping.policy == paper.clipping.policy == "calibrated"
+    assert tiny.precision.recipe == paper.precision.recipe == "blockwise"
+    assert (tiny.model.preset, paper.model.preset) == ("tiny", "qwen3_14b")
+
+
+@pytest.mark.timeout(120)
+def test_command_line_sweep_adds_an_axis_and_a_plain_override_pins_one(tmp_path: Path) -> None:
+    seeds = expand_experiment("ablation_recal_interval", "tiny", ["trainer.seed=0,1"])
+    assert (len(seeds.points), seeds.axes) == (6, ["clipping.interval", "trainer.seed"])
+    pinned = expand_experiment("ablation_recal_interval", "tiny", ["clipping.interval=7"])
+    assert (len(pinned.points), pinned.axes) == (1, [])
+    assert pinned.points[0].cfg.clipping.interval == 7
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["recipe=blockwise"], r"precision.recipe=blockwise is an FP8 scaling recipe but precision.mode=bf16"),
+        (["algo.num_minibatches=5"], r"not divisible by algo.num_minibatches=5"),
+        (["algo.prompts_per_step=3", "algo.num_minibatches=2"], r"splits groups of 8"),
+        (["algo.group_size=1"], r"algo.group_size=1"),
+        (["model=qwen3_8b", "scale=paper", "precision.backend=emulated"], r"model.device=cuda need a GPU"),
+    ],
+)
+def test_impossible_combinations_fail_for_the_whole_sweep(overrides: list[str], message: str, tmp_path: Path) -> None:
+    definition = expand_experiment("fp8_rollout_baseline", None, overrides)
+    with pytest.raises(SweepConfigError, match=message) as err:
+        prepare(definition, "x", resolve_launcher("local"), URI, tmp_path)
+    assert "nothing was submitted" in str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_points_that_compute_the_same_run_are_refused(tmp_path: Path) -> None:
+    definition = expand_points([["precision=bf16"], ["precision=bf16", "trainer.threads=1"]], ["scale=tiny"])
+    with pytest.raises(SweepConfigError, match="compute the same run"):
+        prepare(definition, "x", resolve_launcher("local"), URI, tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_point_that_does_not_compose_is_reported_with_the_others(tmp_path: Path) -> None:
+    definition = expand_points([["precision=bf16"], ["precision=fp4"], ["algo.nonsense=1"]], ["scale=tiny"])
+    with pytest.raises(SweepConfigError) as err:
+        prepare(definition, "x", resolve_launcher("local"), URI, tmp_path)
+    text = str(err.value)
+    assert "2 of 3 point(s) cannot run" in text and "fp4" in text and "nonsense" in text
+
+
+def test_unknown_experiment_and_scale() -> None:
+    with pytest.raises(ConfigError, match="unknown experiment 'grpo'.*grpo_granularity"):
+        expand_experiment("grpo")
+    with pytest.raises(ConfigError, match="scale='huge'"):
+        expand_experiment("dapo_table", "huge")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("experiment", sorted(EXPECTED))
+def test_a_representative_point_of_each_experiment_runs_two_steps(
+    experiment: str, tmp_path: Path, tiny: list[str]
+) -> None:
+    from fp8rl.launch.job import TrainJob
+
+    definition = expand_experiment(experiment, "tiny", [*tiny, "tracking.enabled=false"])
+    run = prepare(definition, experiment, resolve_launcher("inline"), URI, tmp_path)[-1]
+    result = TrainJob(to_dict(run.cfg))()
+    assert result["steps_done"] == 2
+    assert math.isfinite(result["final_eval"]["eval/accuracy"])
+    assert (Path(run.cfg.trainer.out_dir) / "checkpoints").is_dir()

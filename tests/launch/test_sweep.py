@@ -1,0 +1,117 @@
+"""The sweep runner with MLflow (sqlite): nesting and tags, skipping finished runs, resuming unfinished ones.
+
+The end-to-end test runs in this process (launcher "inline"); the same runner on the local Slurm
+cluster is tested in test_slurm_sweep.py (integration lane).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fp8rl.launch import SweepRequest, run_sweep
+from fp8rl.launch import runs as mlflow_runs
+from fp8rl.launch.experiment import expand_points
+from fp8rl.launch.job import existing_runs
+from fp8rl.launch.launchers import resolve_launcher
+from fp8rl.launch.sweep import SweepReport, define, job_name, mark_existing, mark_in_flight, prepare
+
+POINTS = [["precision=bf16"], ["precision=fp8_full", "recipe=blockwise"]]
+
+
+def _request(tmp_path: Path, tiny: list[str], uri: str, **kw) -> SweepRequest:
+    return SweepRequest(
+        points=POINTS,
+        overrides=tiny,
+        launcher="inline",
+        name="unit-sweep",
+        root=tmp_path / "runs",
+        tracking_uri=uri,
+        **kw,
+    )
+
+
+def _planned(req: SweepRequest, create: bool) -> SweepReport:
+    """The runner's plan (configs with their parent run id), without submitting."""
+    definition = define(req)
+    planned = prepare(definition, req.name, resolve_launcher(req.launcher), req.tracking_uri, req.root)
+    report = SweepReport(req.name, req.tracking_uri, req.launcher, planned)
+    mark_existing(report, create=create, definition=definition)
+    return report
+
+
+def _steps(client, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_sweep_nests_tags_resumes_and_skips(tmp_path: Path, tiny: list[str], sqlite_uri: str) -> None:
+    req = _request(tmp_path, tiny, sqlite_uri)
+    dry = run_sweep(_request(tmp_path, tiny, sqlite_uri, dry_run=True))
+    assert [r.status for r in dry.runs] == ["new", "new"] and not dry.submitted
+    assert not Path(sqlite_uri.removeprefix("sqlite:///")).exists(), "a dry run creates nothing"
+
+    # An interrupted run: point 1 stopped after its first step (checkpoint at step 1, MLflow run RUNNING).
+    from fp8rl.trainer.run import run
+
+    run(_planned(req, create=True).runs[1].cfg, stop_after=1)
+
+    report = run_sweep(req)
+    assert [r.status for r in report.runs] == ["new", "resume"]
+    assert [r.error for r in report.runs] == [None, None]
+    client = mlflow_runs.client(sqlite_uri)
+    children = mlflow_runs.child_runs(client, report.experiment_id)
+    assert len(children) == 2, "the resumed point continued its run instead of opening a second one"
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert child.data.tags["mlflow.parentRunId"] == report.parent_run_id
+        assert child.data.tags["fp8rl.sweep"] == "unit-sweep"
+        assert _steps(client, child.info.run_id, "rollout/reward") == [1, 2], "each step logged exactly once"
+        assert _steps(client, child.info.run_id, "eval/accuracy") == [0, 2]
+    tags = {c.data.tags["sweep.precision"]: c.data.tags for c in children}
+    assert tags["bf16"]["recipe"] == "none" and tags["fp8_full"]["sweep.recipe"] == "blockwise"
+    fresh = next(c for c in children if c.data.tags["sweep.precision"] == "bf16")
+    assert fresh.data.metrics["launch/submit_to_first_step_s"] > 0
+    assert _steps(client, fresh.info.run_id, "time/tracking_log") == [1, 2]  # the previous log call's duration
+    parent = client.get_run(report.parent_run_id)
+    assert (parent.info.status, parent.data.tags["fp8rl.role"]) == ("FINISHED", "sweep")
+
+    again = run_sweep(req)
+    assert [r.status for r in again.runs] == ["finished", "finished"] and not again.submitted
+    assert again.parent_run_id == report.parent_run_id
+
+
+@pytest.mark.timeout(300)
+def test_existing_runs_are_found_by_hash_under_the_parent(tmp_path: Path, sqlite_uri: str) -> None:
+    definition = expand_points([["precision=bf16"]], ["scale=tiny"])
+    req = SweepRequest(points=[["precision=bf16"]], scale="tiny", name="lookup", root=tmp_path, tracking_uri=sqlite_uri)
+    report = SweepReport(
+        "lookup", sqlite_uri, "local", prepare(definition, "lookup", resolve_launcher("local"), sqlite_uri, tmp_path)
+    )
+    mark_existing(report, create=True, definition=definition)
+    cfg, digest = report.runs[0].cfg, report.runs[0].config_hash
+    assert existing_runs(cfg, digest) == (None, None)
+    client = mlflow_runs.client(sqlite_uri)
+    tags = {mlflow_runs.HASH_TAG: digest, "mlflow.parentRunId": report.parent_run_id}
+    killed = client.create_run(report.experiment_id, tags=tags).info.run_id
+    client.set_terminated(killed, "KILLED")
+    assert existing_runs(cfg, digest) == (None, killed)
+    assert [r.status for r in run_sweep(SweepRequest(**{**req.__dict__, "dry_run": True})).runs] == ["resume"]
+    client.set_terminated(killed, "FINISHED")
+    assert existing_runs(cfg, digest) == (killed, None)
+    client.create_run(report.experiment_id, tags={**tags, mlflow_runs.HASH_TAG: "other"})
+    assert existing_runs(cfg, digest) == (killed, None)
+
+
+def test_queued_or_running_slurm_jobs_are_not_submitted_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    definition = expand_points([["precision=bf16"], ["precision=fp8_full"]], ["scale=tiny"])
+    report = SweepReport("s", "x", "slurm", prepare(definition, "s", resolve_launcher("local"), "x", tmp_path))
+    names = [job_name("s", r.config_hash) for r in report.runs]
+    live = f"{names[0]}|12|RUNNING\n{names[1]}|13|COMPLETED\n"
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/squeue")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=live, stderr=""))
+    mark_in_flight(report)
+    assert [r.status for r in report.runs] == ["in-flight", "new"]
