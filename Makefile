@@ -11,8 +11,15 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 STAMP_VLLM := $(VENV_VLLM)/.stamp-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 BENCH_OUT ?= results/bench
+EXP ?=
+LAUNCHER ?= local
+SCALE ?= tiny
+PROFILE ?= local
+DRY_RUN ?=
+SWEEP_ARGS ?=
+COMPARE_ARGS ?=
 
-.PHONY: setup test test-fast lint docs demo bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout
+.PHONY: setup test test-fast lint docs demo bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch
 
 setup: $(STAMP)
 
@@ -44,6 +51,17 @@ bench: setup
 	$(PY) benchmarks/quant_throughput.py --out $(BENCH_OUT)/quant_throughput.json
 	$(PY) benchmarks/clip_overhead.py --out $(BENCH_OUT)/clip_overhead.json
 	$(PY) benchmarks/rl_step.py --out $(BENCH_OUT)/rl_step.json
+
+# Sweeps: one file per paper table / ablation in sweeps/experiment/ (`.venv/bin/fp8rl experiments`).
+sweep: setup
+	@test -n "$(EXP)" || { echo "usage: make sweep EXP=<experiment> [LAUNCHER=local|slurm] [SCALE=tiny|paper] [PROFILE=<slurm profile>] [DRY_RUN=1]"; $(VENV)/bin/fp8rl experiments; exit 2; }
+	$(VENV)/bin/fp8rl sweep $(EXP) --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(if $(DRY_RUN),--dry-run) $(SWEEP_ARGS)
+
+compare: setup
+	$(VENV)/bin/fp8rl compare --experiment $(EXP)-$(SCALE) --out results/$(EXP)-$(SCALE) $(COMPARE_ARGS)
+
+bench-launch: setup slurm-up
+	$(PY) benchmarks/launch_overhead.py --out $(BENCH_OUT)/launch_overhead.json
 
 mlflow-ui: setup
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000

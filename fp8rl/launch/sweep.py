@@ -260,7 +260,8 @@ def submit(report: SweepReport, launcher: Launcher, req: SweepRequest) -> None:
     todo = [r for r in report.runs if r.to_submit]
     if todo:
         # A fresh submitit folder per launch: Slurm job ids restart at 1 when its state is wiped.
-        folder = req.root / _safe(report.name) / ".submitit" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        launch_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        folder = req.root.resolve() / _safe(report.name) / ".submitit" / launch_id
         _write_plan(report, folder)
         wait = req.wait if req.wait is not None else launcher.kind != "slurm"
         if launcher.kind == "inline":

@@ -113,6 +113,7 @@ class AsyncTracker:
 
     def _replay(self) -> None:
         """Hand records a killed predecessor left in the WAL to the wrapped tracker (it skips stored steps)."""
+        _drop_torn_lines(getattr(self.inner, "buffer_path", None))
         if not self.wal_path.exists():
             return
         records = [r for r in map(_parse, self.wal_path.read_text().splitlines()) if r is not None]
@@ -133,3 +134,14 @@ def _parse(line: str) -> dict[str, Any] | None:
         return json.loads(line)
     except json.JSONDecodeError:
         return None
+
+
+def _drop_torn_lines(path: Path | None) -> None:
+    """A kill in the middle of the wrapped tracker's own buffer append leaves a torn JSON line that its
+    flush cannot parse; drop it (the step is still in our WAL, which is replayed right after)."""
+    if path is None or not Path(path).exists():
+        return
+    lines = Path(path).read_text().splitlines()
+    kept = [line for line in lines if line.strip() and _parse(line) is not None]
+    if len(kept) != len([line for line in lines if line.strip()]):
+        Path(path).write_text("".join(line + "\n" for line in kept))

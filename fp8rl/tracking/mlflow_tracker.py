@@ -132,7 +132,7 @@ class MlflowTracker:
             return True
         from mlflow.entities import Metric
 
-        records = [json.loads(line) for line in self.buffer_path.read_text().splitlines() if line.strip()]
+        records = _read_records(self.buffer_path)
         try:
             for rec in records:
                 if rec["step"] <= self._last_step_in_store:
@@ -160,6 +160,17 @@ class MlflowTracker:
         if not flushed:
             log.error("metrics left in %s: MLflow was unreachable at the end of the run", self.buffer_path)
         self.client.set_terminated(self.run_id, status=status)
+
+
+def _read_records(path: Path) -> list[dict]:
+    """Buffered steps; a line torn by a kill mid-write is skipped (its step is re-run on resume)."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("skipping a torn line in %s", path)
+    return records
 
 
 def _finite(metrics: dict[str, float]) -> dict[str, float]:
