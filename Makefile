@@ -78,8 +78,8 @@ slurm-purge:
 
 # The integration lane: the local Slurm tests in .venv, the vLLM tests in .venv-vllm.
 # FP8RL_REQUIRE_VLLM=1 turns a skipped vLLM test into a failure. INTEGRATION_PATHS widens the
-# Slurm/MLflow part (the sweep-on-Slurm tests in tests/launch join it when they are stable).
-INTEGRATION_PATHS ?= tests/slurm
+# Slurm/MLflow part: local cluster tests and the 4-run sweep on Slurm with an MLflow server.
+INTEGRATION_PATHS ?= tests/slurm tests/launch
 test-integration: setup slurm-up setup-vllm
 	$(PY) -m pytest -q -m integration $(PYTEST_ARGS) $(INTEGRATION_PATHS)
 	FP8RL_REQUIRE_VLLM=1 $(PY_VLLM) -m pytest -q $(PYTEST_ARGS) tests/rollout tests/models/test_hf.py
