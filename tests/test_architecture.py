@@ -32,9 +32,6 @@ def test_pure_maths_imports_only_torch_numpy_and_itself(package: str) -> None:
         for module in modules:
             top = module.split(".")[0]
             allowed = top in STDLIB or top in ("torch", "numpy", "__future__") or module.startswith(f"fp8rl.{package}")
-            # Lazy, optional GPU mappings are allowed inside functions of te_mapping.py only.
-            if path.endswith("te_mapping.py") and top in ("transformer_engine", "torchao"):
-                allowed = True
             assert allowed, f"fp8rl/{path} imports {module}"
 
 

@@ -1,7 +1,7 @@
 """FP8 recipes for a linear layer: which granularity and format each GEMM operand uses.
 
 A recipe name means the same thing everywhere in fp8rl: in this emulator, in the Transformer Engine
-mapping (`fp8rl.quant.te_mapping`) and in the vLLM engine's quantization settings.
+mapping (`fp8rl.models.te_recipes`) and in the vLLM engine's quantization settings.
 
 Every GEMM of a linear layer is written ``A @ B^T`` with both operands laid out (rows, reduction);
 each operand is scaled along its reduction dimension, as FP8 GEMM hardware requires:

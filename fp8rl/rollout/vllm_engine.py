@@ -113,7 +113,7 @@ def check_vllm_support(
     if dtype == "float32":
         raise VllmSupportError("vLLM's FP8 weights need a bfloat16 or float16 model dtype, not float32")
     if device == "cuda" and capability is not None:
-        from fp8rl.quant.te_mapping import check_hardware_supports
+        from fp8rl.models.te_recipes import check_hardware_supports
 
         check_hardware_supports(name, capability)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -401,8 +402,6 @@ class RLTrainer:
         """Write BF16-shadow vs FP8 ratio histograms (split by advantage sign) as a JSON artifact."""
         if not self.cfg.trainer.log_ratio_histograms:
             return {}
-        import json
-
         m = mask.bool()
         adv_tok = algos.broadcast_to_tokens(adv, mask) if adv.dim() == 1 else adv
         edges = torch.linspace(0.5, 1.5, 101)

@@ -109,7 +109,7 @@ def _loop(trainer: RLTrainer, tracker: Tracker, summary: RunSummary, stop_after:
         _log(tracker, summary, trainer.evaluate(), 0)
     started, steps_run = time.perf_counter(), 0
     with _progress() as progress:
-        bar = progress.add_task(default_run_name_short(cfg), total=total, completed=trainer.step, info="")
+        bar = progress.add_task(default_run_name(cfg), total=total, completed=trainer.step, info="")
         while trainer.step < total and (stop_after is None or steps_run < stop_after):
             step = trainer.step
             result = trainer.train_step(step)
@@ -137,10 +137,6 @@ def _loop(trainer: RLTrainer, tracker: Tracker, summary: RunSummary, stop_after:
     summary.final_eval = {
         k: v for k, v in (summary.history[-1] if summary.history else {}).items() if k.startswith("eval/")
     }
-
-
-def default_run_name_short(cfg: RunConfig) -> str:
-    return default_run_name(cfg)
 
 
 def _eval_due(cfg: RunConfig, done: int) -> bool:

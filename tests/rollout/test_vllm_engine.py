@@ -7,8 +7,6 @@ environment's python) and take about a minute each on 2 CPU cores; skipped where
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -18,15 +16,9 @@ from fp8rl.models.logprobs import left_pad, token_logprobs_and_entropy
 from fp8rl.rollout.builtin import BuiltinEngine
 
 from ._policies import copy_policy, peaked_policy, perturb_
+from ._vllm import VLLM_INTEGRATION
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed: `make setup-vllm`, then run these tests with .venv-vllm/bin/python",
-    ),
-]
+pytestmark = VLLM_INTEGRATION
 
 PARITY_TOL = 1e-4  # fp32 engine vs fp32 trainer, max |log-prob difference| over response tokens
 GROUP_SIZE = 4

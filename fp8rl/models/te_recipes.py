@@ -1,9 +1,12 @@
 """Map fp8rl recipes to Transformer Engine (GPU) and torchao recipe objects.
 
+Lives beside the model (the GPU layer spec's backend), not in `fp8rl.quant`, which stays pure torch.
+
 Imports Transformer Engine / torchao lazily inside the functions: this module is importable on a
 CPU-only host, and only calling the mapping needs the GPU stack. What was verified where: the
-mapping's arguments are unit-tested on CPU against a recording stand-in; parity of TE's quantizers
-and GEMMs with the emulator runs in the GPU-marked tests (`tests/quant/test_te_parity.py`).
+mapping's class names and arguments are unit-tested on CPU (tests/models/test_te_recipes.py); parity
+of TE's quantizers and GEMMs with the emulator is in GPU-marked tests (tests/quant/test_te_parity.py),
+not yet run on a GPU.
 
 | fp8rl recipe | Transformer Engine 2.x                                  | torchao (paper's trainer) |
 |--------------|---------------------------------------------------------|---------------------------|
