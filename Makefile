@@ -18,8 +18,16 @@ PROFILE ?= local
 DRY_RUN ?=
 SWEEP_ARGS ?=
 COMPARE_ARGS ?=
+# Paper reproduction (results/<scale>/): seeds per table cell, and the recalibration intervals of the ablation
+# (paper: K = 10/20/40 steps of a long run; tiny runs are 40 steps with K = 5, so K scales to 2/5/10).
+comma := ,
+SEEDS ?= 0,1,2
+RESULTS ?= results/$(SCALE)
+RECAL_K ?= $(if $(filter paper,$(SCALE)),10$(comma)20$(comma)40,2$(comma)5$(comma)10)
+REPRO_SWEEP = $(VENV)/bin/fp8rl sweep --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(SWEEP_ARGS)
+REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 
-.PHONY: setup test test-fast lint docs demo bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch
+.PHONY: setup test test-fast lint docs demo bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce
 
 setup: $(STAMP)
 
@@ -59,6 +67,40 @@ sweep: setup
 
 compare: setup
 	$(VENV)/bin/fp8rl compare --experiment $(EXP)-$(SCALE) --out results/$(EXP)-$(SCALE) $(COMPARE_ARGS)
+
+# ------------------------------------------------------------------------------------------ paper reproduction
+# Each target runs its sweep (finished runs are found in MLflow and skipped, so a re-run only fills gaps)
+# and rebuilds its table from MLflow into $(RESULTS). SCALE=paper LAUNCHER=slurm sends the same sweeps to
+# a cluster (PROFILE=<slurm profile>); rebuild the tables once the jobs have finished.
+mechanism: setup
+	@test "$(SCALE)" = tiny || { echo "make mechanism is the CPU one-step study (SCALE=tiny); at paper scale the tables' shadow diagnostics (clip/overclip_neg) carry it"; exit 2; }
+	$(PY) -m fp8rl.studies.mechanism
+	$(REPORT) mechanism
+
+table-grpo: setup
+	$(REPRO_SWEEP) grpo_granularity trainer.seed=$(SEEDS)
+	$(REPORT) table grpo_granularity
+
+table-dapo: setup
+	$(REPRO_SWEEP) dapo_table trainer.seed=$(SEEDS)
+	$(REPORT) table dapo_table
+
+ablation: setup
+	$(REPRO_SWEEP) ablation_recal_interval clipping.interval=$(RECAL_K) trainer.seed=$(SEEDS)
+	$(REPRO_SWEEP) ablation_init_bounds trainer.seed=$(SEEDS)
+	$(REPRO_SWEEP) ablation_lower_only trainer.seed=$(SEEDS)
+	$(REPORT) table ablation_recal_interval ablation_init_bounds ablation_lower_only
+
+# Stronger settings for effects the tiny tables do not show (results/README.md): activation outliers, longer runs.
+stress: setup
+	$(REPRO_SWEEP) stress_outliers trainer.seed=$(SEEDS)
+	$(REPORT) table stress_outliers
+
+figures: setup
+	$(REPORT) figures
+
+reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures
+	$(REPORT) index
 
 bench-launch: setup slurm-up
 	$(PY) benchmarks/launch_overhead.py --out $(BENCH_OUT)/launch_overhead.json

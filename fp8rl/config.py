@@ -95,6 +95,8 @@ class ModelSection:
 
     preset: str = "tiny"  # "tiny", "qwen3_8b", "qwen3_14b", "qwen2_5_32b"
     device: str = "cpu"  # "cpu" or "cuda"
+    outlier_channels: int = 0  # ablation: activation outlier channels injected after the warm start (0 = off)
+    outlier_scale: float = 1.0  # their magnitude factor (function-preserving; see fp8rl.models.outliers)
 
 
 @dataclass
@@ -245,6 +247,13 @@ def validate(cfg: RunConfig, cuda_available: bool = False) -> RunConfig:
         raise ConfigError(
             "precision.backend=te (Transformer Engine) needs a CUDA GPU and none was found; "
             "use precision.backend=emulated on CPU"
+        )
+    if cfg.model.outlier_channels < 0 or cfg.model.outlier_channels > 128:
+        raise ConfigError(f"model.outlier_channels={cfg.model.outlier_channels} must be in 0..128 (0 = off)")
+    if cfg.model.outlier_channels and cfg.model.outlier_scale <= 1.0:
+        raise ConfigError(
+            f"model.outlier_scale={cfg.model.outlier_scale} with model.outlier_channels={cfg.model.outlier_channels}: "
+            "outliers need a factor above 1 (e.g. model.outlier_scale=32), or set model.outlier_channels=0"
         )
     if cfg.model.device == "cuda" and not cuda_available:
         raise ConfigError("model.device=cuda but no CUDA device was found; use model.device=cpu")

@@ -43,6 +43,7 @@ from fp8rl.algos.dapo import GroupFilter, filter_uniform_groups, overlong_penalt
 from fp8rl.algos.diagnostics import (
     RATIO_QUANTILES,
     clip_fraction_metrics,
+    clip_overlap_metrics,
     contribution_metrics,
     entropy_from_logits,
     entropy_metrics,
@@ -100,6 +101,7 @@ __all__ = [
     "masked_mean",
     "masked_quantiles",
     "metrics_to_floats",
+    "clip_overlap_metrics",
     "overclip_metrics",
     "overlong_penalty",
     "ratio_quantile_metrics",

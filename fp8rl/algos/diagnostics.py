@@ -146,6 +146,36 @@ def overclip_metrics(
     return metrics
 
 
+@torch.no_grad()
+def clip_overlap_metrics(
+    ratio_ref: torch.Tensor,
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    low: float,
+    ref_low: float,
+    prefix: str = "clip/overlap_",
+) -> Metrics:
+    """Which negative-advantage tokens are clipped, not only how many: FP8 clipping (``ratio <= low``)
+    against BF16 clipping (``ratio_ref <= ref_low``) as a retrieval of BF16's set.
+
+    ``{prefix}precision`` = |FP8 ∩ BF16| / |FP8| (of the tokens FP8 clips, the share BF16 clips too),
+    ``{prefix}recall`` = |FP8 ∩ BF16| / |BF16|; 1.0 when the divisor set is empty; plus the two counts.
+    """
+    mask = as_bool_mask(response_mask)
+    negative = mask & (expand_adv(adv, ratio) < 0)
+    fp8_set, ref_set = negative & (ratio <= low), negative & (ratio_ref <= ref_low)
+    both = (fp8_set & ref_set).sum()
+    n_fp8, n_ref = fp8_set.sum(), ref_set.sum()
+    one = torch.ones((), dtype=torch.float32)
+    return {
+        f"{prefix}precision": (both / n_fp8).float() if n_fp8 else one,
+        f"{prefix}recall": (both / n_ref).float() if n_ref else one,
+        f"{prefix}n_fp8": n_fp8.float(),
+        f"{prefix}n_ref": n_ref.float(),
+    }
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-token entropy (batch, response_len) of softmax(logits), logits (batch, response_len, vocab)."""
     logits = at_least_float32(logits)

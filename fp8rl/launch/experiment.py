@@ -3,7 +3,8 @@
 An experiment is a Hydra multirun definition: a ``# @package _global_`` file that picks config groups
 and lists its sweep axes in ``hydra.sweeper.params``. `expand_experiment` composes it exactly as
 ``python -m fp8rl.train -m experiment=<name>`` would (BasicSweeper's cartesian product of the
-params, command-line sweeps such as ``trainer.seed=0,1,2`` added as further axes), one Hydra compose
+params, command-line sweeps such as ``trainer.seed=0,1,2`` added as further axes or replacing the file's
+list for the same key), one Hydra compose
 per point. `expand_points` does the same for an explicit list of points. Nothing here validates: a
 point that does not compose carries its error, and the sweep runner reports all of them at once.
 """
@@ -76,9 +77,11 @@ def expand_experiment(
     selection = [f"experiment={experiment}", *([f"scale={scale}"] if scale else [])]
     base, cli_sweeps = _split_sweeps(overrides)
     with _hydra(sweeps_dir):
-        params = [f"{k}={v}" for k, v in _sweeper_params([*selection, *base]).items()]
         # As Hydra's BasicSweeper: the file's params first, the command line after it (a plain override
-        # of a swept key pins it); the experiment selection stays in front.
+        # of a swept key pins it, a command-line sweep of it replaces the file's list); the experiment
+        # selection stays in front.
+        replaced = {_key(o) for o in cli_sweeps}
+        params = [f"{k}={v}" for k, v in _sweeper_params([*selection, *base]).items() if k not in replaced]
         grid = _cartesian([*selection, *params, *base, *cli_sweeps])
         pinned = {_key(o) for o in base}
         axes = [k for k in dict.fromkeys(_key(o) for o in [*params, *cli_sweeps]) if k not in pinned]

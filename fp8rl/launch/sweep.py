@@ -256,6 +256,36 @@ def mark_in_flight(report: SweepReport) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ submission
+class Progress:
+    """One line per finished run: ``[k/n] <label> finished in 41s (elapsed 5m, ETA 12m)``."""
+
+    def __init__(self, total: int, name: str, echo=print) -> None:
+        self.total, self.name, self.echo = total, name, echo
+        self.done, self.started = 0, time.monotonic()
+        self.job_started: dict[int, float] = {}
+
+    def start(self, run: PlannedRun) -> None:
+        self.job_started[id(run)] = time.monotonic()
+
+    def finish(self, run: PlannedRun) -> None:
+        self.done += 1
+        now = time.monotonic()
+        took = now - self.job_started.get(id(run), self.started)
+        elapsed = now - self.started
+        eta = elapsed / self.done * (self.total - self.done)
+        outcome = f"FAILED ({(run.error or '')[-200:]})" if run.error else "finished"
+        self.echo(
+            f"[{self.name} {self.done}/{self.total}] {run.point.label} {outcome} in {_duration(took)} "
+            f"(elapsed {_duration(elapsed)}, ETA {_duration(eta)})",
+            flush=True,
+        )
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
 def submit(report: SweepReport, launcher: Launcher, req: SweepRequest) -> None:
     todo = [r for r in report.runs if r.to_submit]
     if todo:
@@ -264,12 +294,14 @@ def submit(report: SweepReport, launcher: Launcher, req: SweepRequest) -> None:
         folder = req.root.resolve() / _safe(report.name) / ".submitit" / launch_id
         _write_plan(report, folder)
         wait = req.wait if req.wait is not None else launcher.kind != "slurm"
+        progress = Progress(len(todo), report.name)
         if launcher.kind == "inline":
-            _run_inline(todo)
+            _run_inline(todo, progress)
         elif launcher.kind == "local":
-            _run_pool(todo, make_executor(launcher, folder, f"fp8rl-{report.name}"), launcher.max_parallel, req)
+            executor = make_executor(launcher, folder, f"fp8rl-{report.name}")
+            _run_pool(todo, executor, launcher.max_parallel, req, progress)
         else:
-            _submit_slurm(todo, report.name, launcher, folder, wait, req.timeout_s)
+            _submit_slurm(todo, report.name, launcher, folder, wait, req.timeout_s, progress)
     _finish_parent(report)
 
 
@@ -288,18 +320,24 @@ def _write_plan(report: SweepReport, folder: Path) -> None:
     (folder / "plan.json").write_text(json.dumps({"sweep": report.name, "runs": plan}, indent=2))
 
 
-def _run_inline(todo: list[PlannedRun]) -> None:
+def _run_inline(todo: list[PlannedRun], progress: Progress | None = None) -> None:
     from fp8rl.launch.job import TrainJob
 
     for run in todo:
         run.job_id = "inline"
+        if progress:
+            progress.start(run)
         try:
             run.result = TrainJob(to_dict(run.cfg))()
         except Exception as err:  # noqa: BLE001 - one failed point must not stop the others
             run.error = f"{type(err).__name__}: {err}"
+        if progress:
+            progress.finish(run)
 
 
-def _run_pool(todo: list[PlannedRun], executor: Any, max_parallel: int, req: SweepRequest) -> None:
+def _run_pool(
+    todo: list[PlannedRun], executor: Any, max_parallel: int, req: SweepRequest, progress: Progress | None = None
+) -> None:
     """Local executor: at most `max_parallel` jobs at once, waiting for all."""
     from fp8rl.launch.job import TrainJob
 
@@ -311,13 +349,21 @@ def _run_pool(todo: list[PlannedRun], executor: Any, max_parallel: int, req: Swe
             job = executor.submit(TrainJob(to_dict(run.cfg)))
             run.job_id = str(job.job_id)
             running.append((run, job))
-        running = _collect_done(running)
+            if progress:
+                progress.start(run)
+        running = _collect_done(running, progress)
         _check_deadline(deadline, running)
         time.sleep(0.5 if running else 0)
 
 
 def _submit_slurm(
-    todo: list[PlannedRun], sweep: str, launcher: Launcher, folder: Path, wait: bool, timeout_s: float | None
+    todo: list[PlannedRun],
+    sweep: str,
+    launcher: Launcher,
+    folder: Path,
+    wait: bool,
+    timeout_s: float | None,
+    progress: Progress | None = None,
 ) -> None:
     """One Slurm job per point, named after the sweep and config hash (re-launches find it in squeue)."""
     from fp8rl.launch.job import TrainJob
@@ -330,12 +376,12 @@ def _submit_slurm(
         jobs.append((run, job))
     deadline = time.monotonic() + timeout_s if timeout_s else None
     while wait and jobs:
-        jobs = _collect_done(jobs)
+        jobs = _collect_done(jobs, progress)
         _check_deadline(deadline, jobs)
         time.sleep(2.0 if jobs else 0)
 
 
-def _collect_done(jobs: list[tuple[PlannedRun, Any]]) -> list[tuple[PlannedRun, Any]]:
+def _collect_done(jobs: list[tuple[PlannedRun, Any]], progress: Progress | None = None) -> list[tuple[PlannedRun, Any]]:
     pending = []
     for run, job in jobs:
         if not job.done():
@@ -345,6 +391,8 @@ def _collect_done(jobs: list[tuple[PlannedRun, Any]]) -> list[tuple[PlannedRun, 
             run.result = job.result()
         except Exception as err:  # noqa: BLE001 - submitit re-raises the job's exception with its traceback
             run.error = f"{type(err).__name__}: {str(err)[-3000:]}"
+        if progress:
+            progress.finish(run)
     return pending
 
 

@@ -25,6 +25,7 @@ from fp8rl.models.config import get_model_config, with_tokenizer_vocab
 from fp8rl.models.generate import SamplingConfig
 from fp8rl.models.gpt import fp8_switchable_linears
 from fp8rl.models.logprobs import token_logprobs_and_entropy
+from fp8rl.models.outliers import inject_activation_outliers
 from fp8rl.rollout import BuiltinEngine, RolloutBatch
 from fp8rl.tasks.base import Problem, batch_rewards, build_task, garble_metrics, task_config
 from fp8rl.tracking import NullTracker, Tracker
@@ -101,6 +102,8 @@ class RLTrainer:
         ws_cfg = WarmStartConfig(steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, seed=ws.seed)
         self.warmstart = warmstart(self.model_cfg, self.task_cfg, ws_cfg, ws.cache_dir)
         self.model = load_warmstarted_model(self.warmstart.weights_path, self.model_cfg, seed=ws.seed)
+        if cfg.model.outlier_channels:
+            inject_activation_outliers(self.model, cfg.model.outlier_channels, cfg.model.outlier_scale, seed=ws.seed)
         self.model.train()
         self.ref_model = self._reference_model()
         self.optimizer = torch.optim.AdamW(

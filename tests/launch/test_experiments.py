@@ -18,8 +18,10 @@ from fp8rl.launch.launchers import resolve_launcher
 from fp8rl.launch.sweep import SweepConfigError, prepare
 
 EXPECTED = {  # experiment -> (points, axes)
-    "grpo_granularity": (7, ["+experiment/arm"]),
-    "dapo_table": (3, ["+experiment/arm"]),
+    "grpo_granularity": (8, ["+experiment/arm"]),
+    "dapo_table": (8, ["+experiment/arm"]),
+    "ablation_lower_only": (2, ["+experiment/arm"]),
+    "stress_outliers": (6, ["+experiment/arm"]),
     "ablation_recal_interval": (3, ["clipping.interval"]),
     "ablation_init_bounds": (2, ["+experiment/arm"]),
     "fp8_rollout_baseline": (4, ["precision", "clipping"]),
@@ -77,12 +79,15 @@ def test_paper_scale_differs_from_tiny_only_in_size() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_command_line_sweep_adds_an_axis_and_a_plain_override_pins_one(tmp_path: Path) -> None:
+def test_command_line_sweep_adds_an_axis_or_replaces_the_files_and_a_plain_override_pins_one(tmp_path: Path) -> None:
     seeds = expand_experiment("ablation_recal_interval", "tiny", ["trainer.seed=0,1"])
     assert (len(seeds.points), seeds.axes) == (6, ["clipping.interval", "trainer.seed"])
     pinned = expand_experiment("ablation_recal_interval", "tiny", ["clipping.interval=7"])
     assert (len(pinned.points), pinned.axes) == (1, [])
     assert pinned.points[0].cfg.clipping.interval == 7
+    replaced = expand_experiment("ablation_recal_interval", "tiny", ["clipping.interval=2,5"])
+    assert (len(replaced.points), replaced.axes) == (2, ["clipping.interval"])
+    assert [p.cfg.clipping.interval for p in replaced.points] == [2, 5]
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,124 @@
+"""``python -m fp8rl.report --scale tiny --out results/tiny <what>``: rebuild results from MLflow.
+
+table EXP [EXP ...]   the paper table of each sweep experiment (MLflow experiment ``EXP-<scale>``)
+mechanism             the one-step mechanism study's tables (experiment ``mechanism-<scale>``)
+figures               training curves of every table present in MLflow, and the mechanism plots
+index                 INDEX.md and PROVENANCE.json for everything in the output folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from fp8rl.launch import runs
+from fp8rl.report import figures, tables
+from fp8rl.tracking.provenance import provenance
+
+TABLE_EXPERIMENTS = (
+    "grpo_granularity",
+    "dapo_table",
+    "ablation_recal_interval",
+    "ablation_init_bounds",
+    "ablation_lower_only",
+    "stress_outliers",
+)
+
+
+def _existing(experiments: list[str], uri: str) -> list[str]:
+    if not runs.store_exists(uri):
+        return []
+    client = runs.client(uri)
+    return [e for e in experiments if runs.experiment_id(client, e, create=False) is not None]
+
+
+def cmd_table(args: argparse.Namespace) -> list[Path]:
+    written = []
+    for experiment in args.experiments:
+        written += tables.write_table(f"{experiment}-{args.scale}", args.out, tracking_uri=args.tracking_uri)
+    return written
+
+
+def cmd_mechanism(args: argparse.Namespace) -> list[Path]:
+    return tables.write_mechanism(f"mechanism-{args.scale}", args.out, args.tracking_uri)
+
+
+def cmd_figures(args: argparse.Namespace) -> list[Path]:
+    uri = runs.absolute_tracking_uri(args.tracking_uri)
+    written = []
+    out = args.out / "figures"
+    for experiment in _existing([f"{e}-{args.scale}" for e in TABLE_EXPERIMENTS], uri):
+        written += figures.training_curves(experiment, out, args.tracking_uri)
+    if _existing([f"mechanism-{args.scale}"], uri):
+        written += figures.mechanism_figures(f"mechanism-{args.scale}", out, args.tracking_uri)
+    if not written:
+        raise SystemExit(f"nothing to plot: no table or mechanism runs in {uri}")
+    return written
+
+
+def cmd_index(args: argparse.Namespace) -> list[Path]:
+    """PROVENANCE.json (who built the folder, from which runs) and INDEX.md (what each file is)."""
+    uri = runs.absolute_tracking_uri(args.tracking_uri)
+    sources = {}
+    for path in sorted(args.out.glob("*.runs.json")):
+        data = json.loads(path.read_text())
+        sources[path.name] = {"experiment": data["experiment"], "run_ids": [r["run_id"] for r in data["runs"]]}
+    mech = args.out / "mechanism.runs.csv"
+    if mech.exists():
+        lines = mech.read_text().splitlines()[1:]
+        sources["mechanism.runs.csv"] = {
+            "experiment": f"mechanism-{args.scale}",
+            "run_ids": [ln.split(",")[0] for ln in lines],
+        }
+    record = {
+        "generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "mlflow": uri,
+        "builder": provenance(),
+        "sources": sources,
+    }
+    prov = args.out / "PROVENANCE.json"
+    prov.write_text(json.dumps(record, indent=1, sort_keys=True))
+    files = sorted(p for p in args.out.rglob("*") if p.is_file() and p.name != "INDEX.md")
+    lines = [
+        f"# results/{args.out.name}: built by `make reproduce SCALE={args.scale}`",
+        "",
+        f"Generated {record['generated']} from MLflow `{uri}` at git {record['builder'].get('git_sha', '?')[:10]}"
+        f"{' (dirty)' if record['builder'].get('git_dirty') == 'true' else ''} on "
+        f"{record['builder'].get('machine.hostname', '?')} ({record['builder'].get('machine.cpu_count', '?')} CPUs, "
+        f"torch {record['builder'].get('version.torch', '?')}). Every run id is in PROVENANCE.json and the "
+        "`*.runs.csv` / `*.runs.json` files (resolved configs and provenance tags of each run).",
+        "",
+        "| file | runs |",
+        "|---|---|",
+    ]
+    for f in files:
+        rel = f.relative_to(args.out)
+        n = sources.get(f.name.replace(".md", ".runs.json"), {}).get("run_ids")
+        lines.append(f"| [{rel}]({rel}) | {len(n) if n else ''} |")
+    index = args.out / "INDEX.md"
+    index.write_text("\n".join(lines) + "\n")
+    return [prov, index]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fp8rl.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", default="tiny", choices=("tiny", "paper"))
+    parser.add_argument("--out", type=Path, default=None, help="default: results/<scale>")
+    parser.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or ./mlflow.db")
+    sub = parser.add_subparsers(dest="what", required=True)
+    table = sub.add_parser("table", help="paper tables of sweep experiments")
+    table.add_argument("experiments", nargs="+", choices=TABLE_EXPERIMENTS)
+    for name in ("mechanism", "figures", "index"):
+        sub.add_parser(name)
+    args = parser.parse_args(argv)
+    args.out = args.out or Path("results") / args.scale
+    handler = {"table": cmd_table, "mechanism": cmd_mechanism, "figures": cmd_figures, "index": cmd_index}[args.what]
+    for path in handler(args):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,359 @@
+"""Paper tables from the finished runs of a sweep, and the mechanism study's tables, read from MLflow.
+
+A table experiment's runs are grouped by the sweep's axes (seeds left out); each column reduces one
+metric's per-step history of a run (last / mean / max, or the entropy-surge detector), and a cell shows
+mean ± std over the group's runs. Written per table: ``<name>.md`` (with the paper's numbers beside ours
+where the paper reports the row), ``<name>.csv`` (grouped), ``<name>.runs.csv`` (one row per run with its
+MLflow run id and git SHA) and ``<name>.runs.json`` (each run's resolved config and provenance tags).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8rl.launch import compare, runs
+from fp8rl.report.paper import PAPER_METRIC, PAPER_SCORES
+from fp8rl.report.surge import SurgeRule, detect_surge
+
+SURGE_RULE = SurgeRule()
+
+
+@dataclass(frozen=True)
+class Column:
+    label: str
+    key: str  # MLflow metric key
+    reduce: str  # "last", "mean", "max", "surge_ratio", "surged"
+    fmt: str = "{:.3f}"
+
+
+TABLE_COLUMNS = (
+    Column("final eval acc", "eval/accuracy", "last"),
+    Column("peak entropy", "rollout/entropy", "max"),
+    Column("surge ratio", "rollout/entropy", "surge_ratio", "{:.2f}"),
+    Column("surged", "rollout/entropy", "surged", "{:.2f}"),
+    Column("garbled (eval, final)", "eval/garbled_rate", "last"),
+    Column("garbled (rollout, mean)", "rollout/garbled_rate", "mean", "{:.4f}"),
+    Column("response len (eval)", "eval/response_len", "last", "{:.2f}"),
+    Column("clip/low_neg (mean)", "clip/low_neg", "mean", "{:.4f}"),
+    Column("overclip_neg (shadow steps)", "clip/overclip_neg", "mean", "{:.4f}"),
+    Column("reward (mean)", "rollout/reward", "mean"),
+    Column("token_mult_prob_error", "rollout/token_mult_prob_error", "mean", "{:.4f}"),
+)
+
+
+@dataclass
+class RunData:
+    run_id: str
+    name: str
+    group: tuple[str, ...]
+    tags: dict[str, str]
+    params: dict[str, str]
+    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # key -> [(step, value)]
+
+    def series(self, key: str) -> list[float]:
+        return [v for _, v in sorted(self.history.get(key, []))]
+
+
+def load_runs(
+    experiment: str, keys: Sequence[str], group_by: Sequence[str] | None = None, tracking_uri: str | None = None
+) -> tuple[list[RunData], list[str], str]:
+    """The FINISHED child runs of `experiment` with the histories of `keys`; returns (runs, group_by, uri)."""
+    uri = runs.absolute_tracking_uri(tracking_uri)
+    if not runs.store_exists(uri):
+        raise SystemExit(f"no MLflow store at {uri}: run the sweep first (e.g. make table-grpo)")
+    client = runs.client(uri)
+    exp_id = runs.experiment_id(client, experiment, create=False)
+    if exp_id is None:
+        raise SystemExit(f"no MLflow experiment {experiment!r} in {uri}: run its sweep first")
+    group_by = list(group_by) if group_by else compare.default_group_by(client, exp_id, experiment)
+    out = []
+    for run in reversed(runs.child_runs(client, exp_id)):
+        if run.info.status != "FINISHED":
+            continue
+        data = RunData(
+            run.info.run_id,
+            run.info.run_name or "",
+            tuple(compare.lookup(run, k) for k in group_by),
+            dict(run.data.tags),
+            dict(run.data.params),
+        )
+        for key in dict.fromkeys(keys):
+            if key in run.data.metrics:
+                data.history[key] = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+        out.append(data)
+    return out, group_by, uri
+
+
+def reduce_column(run: RunData, column: Column) -> float:
+    values = run.series(column.key)
+    if not values:
+        return math.nan
+    if column.reduce in ("surge_ratio", "surged"):
+        if len(values) < 4:
+            return math.nan
+        surge = detect_surge(values, SURGE_RULE)
+        return surge.ratio if column.reduce == "surge_ratio" else float(surge.surged)
+    return compare.reduce(values, column.reduce)
+
+
+@dataclass
+class Group:
+    key: tuple[str, ...]
+    runs: list[RunData]
+    mean: dict[str, float]
+    std: dict[str, float]
+
+
+def group_rows(run_data: list[RunData], columns: Sequence[Column]) -> list[Group]:
+    groups: dict[tuple[str, ...], list[RunData]] = {}
+    for run in run_data:
+        groups.setdefault(run.group, []).append(run)
+    out = []
+    for key, members in groups.items():
+        mean, std = {}, {}
+        for col in columns:
+            values = [v for v in (reduce_column(r, col) for r in members) if not math.isnan(v)]
+            mean[col.label] = statistics.fmean(values) if values else math.nan
+            std[col.label] = statistics.stdev(values) if len(values) > 1 else 0.0 if values else math.nan
+        out.append(Group(key, members, mean, std))
+    return out
+
+
+def _cell(mean: float, std: float, n: int, fmt: str) -> str:
+    if math.isnan(mean):
+        return "-"
+    return fmt.format(mean) if n < 2 else f"{fmt.format(mean)} ± {fmt.format(std)}"
+
+
+def _paper_lookup(experiment: str, key: tuple[str, ...], position: int) -> str:
+    scores = PAPER_SCORES.get(experiment, {})
+    if experiment == "ablation_recal_interval":  # tiny K = 2/5/10 stands for the paper's 10/20/40
+        ordered = list(scores.values())
+        return f"{ordered[position]:g}" if position < len(ordered) else ""
+    for part in key:
+        if part in scores:
+            return f"{scores[part]:g}"
+    return ""
+
+
+def markdown_table(
+    experiment: str, groups: list[Group], group_by: list[str], columns: Sequence[Column], header: str
+) -> str:
+    paper = experiment in PAPER_SCORES
+    names = [compare_name(g) for g in group_by]
+    head = [*names, "runs", *(c.label for c in columns), *(["paper"] if paper else [])]
+    lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for position, g in enumerate(groups):
+        cells = [
+            *g.key,
+            str(len(g.runs)),
+            *(_cell(g.mean[c.label], g.std[c.label], len(g.runs), c.fmt) for c in columns),
+        ]
+        if paper:
+            cells.append(_paper_lookup(experiment, g.key, position))
+        lines.append("| " + " | ".join(cells) + " |")
+    if paper:
+        lines += [
+            "",
+            f"paper: {PAPER_METRIC[experiment]} (../shared/PAPER.md; approximate, not comparable in "
+            "absolute value to our task accuracy: compare orderings and gaps to BF16).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def compare_name(key: str) -> str:
+    return key.lstrip("+~").rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+
+
+def provenance_header(experiment: str, run_data: list[RunData], uri: str) -> str:
+    shas = sorted(
+        {r.tags.get("git_sha", "?")[:10] + ("-dirty" if r.tags.get("git_dirty") == "true" else "") for r in run_data}
+    )
+    hosts = sorted({r.tags.get("machine.hostname", "?") for r in run_data})
+    return (
+        f"Table `{experiment}`: {len(run_data)} finished run(s) from MLflow `{uri}`; mean ± std over seeds. "
+        f"Runs at git {', '.join(shas)} on {', '.join(hosts)}; generated {time.strftime('%Y-%m-%d %H:%M %Z')} "
+        f"by `python -m fp8rl.report`. Surge detector: fp8rl/report/surge.py (ratio >= {SURGE_RULE.ratio}, "
+        f"rise >= {SURGE_RULE.min_rise} nats); `surged` = fraction of runs."
+    )
+
+
+def write_table(
+    experiment: str,
+    out_dir: Path,
+    columns: Sequence[Column] = TABLE_COLUMNS,
+    tracking_uri: str | None = None,
+    name: str | None = None,
+) -> list[Path]:
+    """Build one table from the sweep `experiment` (MLflow experiment name) into `out_dir`."""
+    run_data, group_by, uri = load_runs(experiment, [c.key for c in columns], tracking_uri=tracking_uri)
+    if not run_data:
+        raise SystemExit(f"MLflow experiment {experiment!r} has no finished runs yet")
+    groups = group_rows(run_data, columns)
+    stem = name or experiment
+    base = stem.rsplit("-", 1)[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / f"{stem}.md"
+    md.write_text(markdown_table(base, groups, group_by, columns, provenance_header(experiment, run_data, uri)))
+    grouped, per_run, configs = out_dir / f"{stem}.csv", out_dir / f"{stem}.runs.csv", out_dir / f"{stem}.runs.json"
+    with open(grouped, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(
+            [*map(compare_name, group_by), "runs", *(f"{c.label}:{s}" for c in columns for s in ("mean", "std"))]
+        )
+        for g in groups:
+            writer.writerow([*g.key, len(g.runs), *(v for c in columns for v in (g.mean[c.label], g.std[c.label]))])
+    with open(per_run, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["run_id", "run_name", "git_sha", *map(compare_name, group_by), *(c.label for c in columns)])
+        for r in run_data:
+            writer.writerow(
+                [r.run_id, r.name, r.tags.get("git_sha", ""), *r.group, *(reduce_column(r, c) for c in columns)]
+            )
+    records = [{"run_id": r.run_id, "run_name": r.name, "tags": r.tags, "config": r.params} for r in run_data]
+    configs.write_text(json.dumps({"mlflow": uri, "experiment": experiment, "runs": records}, indent=1, sort_keys=True))
+    return [md, grouped, per_run, configs]
+
+
+# ------------------------------------------------------------------------------------------------ mechanism
+MECH_FULL_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("logp noise", "mech/logp_abs_noise", "{:.4f}"),
+    ("log-ratio std FP8", "mech/log_ratio_std", "{:.4f}"),
+    ("log-ratio std BF16", "mech/ref_log_ratio_std", "{:.4f}"),
+    ("low_neg FP8", "clip/low_neg", "{:.4f}"),
+    ("low_neg BF16", "clip/ref_low_neg", "{:.4f}"),
+    ("overclip_neg", "clip/overclip_neg", "{:.4f}"),
+    ("underclip_neg", "clip/underclip_neg", "{:.4f}"),
+    ("p FP8", "clip/p", "{:.3f}"),
+    ("p BF16", "clip/ref_p", "{:.3f}"),
+    ("clip precision", "clip/overlap_precision", "{:.2f}"),
+    ("clip recall", "clip/overlap_recall", "{:.2f}"),
+    ("CC low", "cc/low", "{:.3f}"),
+    ("CC high", "cc/high", "{:.3f}"),
+    ("CC low_neg", "cc/low_neg", "{:.4f}"),
+    ("CC overclip_neg", "cc/overclip_neg", "{:.4f}"),
+    ("CC p", "cc/p", "{:.3f}"),
+    ("CC precision", "cc/overlap_precision", "{:.2f}"),
+    ("CC recall", "cc/overlap_recall", "{:.2f}"),
+    ("neg tokens", "mech/neg_tokens", "{:.0f}"),
+)
+MECH_ORDER = ("bf16", "tensorwise", "rowwise", "blockwise", "mxfp8")
+
+
+def load_mechanism(experiment: str, tracking_uri: str | None = None) -> tuple[list[Any], str]:
+    uri = runs.absolute_tracking_uri(tracking_uri)
+    client = runs.client(uri)
+    exp_id = runs.experiment_id(client, experiment, create=False)
+    if exp_id is None:
+        raise SystemExit(f"no MLflow experiment {experiment!r} in {uri}: run `make mechanism` first")
+    found = runs.search(client, exp_id, "tags.`fp8rl.mechanism` = 'cell' and attributes.status = 'FINISHED'")
+    newest: dict[str, Any] = {}
+    for run in sorted(found, key=lambda r: r.info.start_time):
+        newest[run.data.tags["fp8rl.mechanism_cell"]] = run  # a re-run cell replaces the old one
+    return list(newest.values()), uri
+
+
+def _cell_sort_key(run: Any) -> tuple:
+    p = run.data.params
+    return (
+        p["variant"] != "none",
+        p["variant"],
+        p["checkpoint"] != "early",
+        p["mode"],
+        MECH_ORDER.index(p["recipe"]) if p["recipe"] in MECH_ORDER else 99,
+        float(p["lr"]),
+    )
+
+
+def mechanism_markdown(cells: list[Any], mode: str, header: str) -> str:
+    keys = ("variant", "checkpoint", "recipe", "lr")
+    head = [*keys, *(c[0] for c in MECH_FULL_COLUMNS)]
+    lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in sorted((r for r in cells if r.data.params["mode"] == mode), key=_cell_sort_key):
+        p, m = run.data.params, run.data.metrics
+        values = [fmt.format(m[key]) if key in m else "-" for _, key, fmt in MECH_FULL_COLUMNS]
+        lines.append("| " + " | ".join([p["variant"], p["checkpoint"], p["recipe"], p["lr"], *values]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def noise_markdown(cells: list[Any], header: str) -> str:
+    """The granularity ordering: raw log-prob noise and the over-clip rate per recipe, with/without outliers."""
+    table: dict[tuple[str, str], dict[str, tuple[float, list[float]]]] = {}
+    for run in cells:
+        p, m = run.data.params, run.data.metrics
+        if p["mode"] != "full" or p["recipe"] == "bf16":
+            continue
+        row = table.setdefault((p["variant"], p["checkpoint"]), {})
+        noise, overclips = row.get(p["recipe"], (m.get("mech/logp_abs_noise", math.nan), []))
+        overclips.append(m.get("clip/overclip_neg", math.nan))
+        row[p["recipe"]] = (noise, overclips)
+    recipes = [r for r in MECH_ORDER if r != "bf16" and any(r in row for row in table.values())]
+    head = ["variant", "checkpoint", *(f"{r}: noise / overclip_neg" for r in recipes)]
+    lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (variant, checkpoint), row in sorted(table.items(), key=lambda kv: (kv[0][0] != "none", kv[0])):
+        cells_ = [f"{row[r][0]:.4f} / {statistics.fmean(row[r][1]):.4f}" if r in row else "-" for r in recipes]
+        lines.append("| " + " | ".join([variant, checkpoint, *cells_]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_mechanism(experiment: str, out_dir: Path, tracking_uri: str | None = None) -> list[Path]:
+    cells, uri = load_mechanism(experiment, tracking_uri)
+    if not cells:
+        raise SystemExit(f"MLflow experiment {experiment!r} has no finished mechanism cells: run `make mechanism`")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shas = sorted({r.data.tags.get("git_sha", "?")[:10] for r in cells})
+    base = (
+        f"Mechanism study ({len(cells)} cells, MLflow `{uri}`, experiment `{experiment}`, git {', '.join(shas)}; "
+        f"generated {time.strftime('%Y-%m-%d %H:%M %Z')}). One PPO mini-batch update (AdamW, lr as listed) "
+        "from the checkpoint, ratios measured on the batch's other mini-batch; tokens of the study's GRPO "
+        "batches pooled. `overclip_neg`: negative-advantage tokens FP8 clips at 0.8 and BF16 does not, / all "
+        "negative tokens; `precision`/`recall`: overlap of the tokens FP8 clips with those BF16 clips; `CC`: "
+        "after Calibrated Clipping calibrated on the same tokens."
+    )
+    written = []
+    for mode, what in (
+        ("full", "full pipeline FP8 (old and new log-probs in the recipe) vs the BF16 shadow"),
+        ("mismatch", "mismatched: old log-probs from an FP8 rollout engine, new ones from a BF16 trainer"),
+    ):
+        path = out_dir / f"mechanism_{mode}.md"
+        path.write_text(mechanism_markdown(cells, mode, f"{base}\n\nMode: {what}."))
+        written.append(path)
+    noise = out_dir / "mechanism_granularity.md"
+    noise.write_text(
+        noise_markdown(
+            cells,
+            f"{base}\n\nGranularity ordering: mean |logp_FP8 - logp_BF16| "
+            "per token at the checkpoint / over-clip rate averaged over the learning rates.",
+        )
+    )
+    written.append(noise)
+    rows = out_dir / "mechanism.runs.csv"
+    metric_keys = sorted({k for r in cells for k in r.data.metrics})
+    with open(rows, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["run_id", "cell", "git_sha", "variant", "checkpoint", "mode", "recipe", "lr", *metric_keys])
+        for r in sorted(cells, key=_cell_sort_key):
+            p = r.data.params
+            writer.writerow(
+                [
+                    r.info.run_id,
+                    r.data.tags["fp8rl.mechanism_cell"],
+                    r.data.tags.get("git_sha", ""),
+                    p["variant"],
+                    p["checkpoint"],
+                    p["mode"],
+                    p["recipe"],
+                    p["lr"],
+                    *(r.data.metrics.get(k, "") for k in metric_keys),
+                ]
+            )
+    written.append(rows)
+    return written
