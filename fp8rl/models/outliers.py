@@ -10,8 +10,14 @@ channels, so granularity orderings seen on LLMs cannot show on it (PILOT.md).
 `inject_activation_outliers` reparametrizes every block: the pre-norm gain of channel c is multiplied
 by `scale` and the matching input column of the linear that reads it (QKV after the input norm, FC1
 after the pre-MLP norm) is divided by `scale`. In exact arithmetic the network is unchanged; what the
-FP8 linears see is an input with `scale`-times larger channels, as in an LLM. This is an ablation of
-ours (documented in results/README.md), not something the paper does.
+FP8 linears see is an input with `scale`-times larger channels, as in an LLM, read by weight columns
+`scale` times smaller (LLMs' massive-activation channels are also read by small weights). This is an
+ablation of ours (documented in results/README.md), not something the paper does.
+
+E4M3 is a floating-point format: a larger scale moves the other values down in binades, and they only
+lose precision once they leave its normal range (below 2^-6 of the scale's 448, i.e. outliers beyond
+~1e4 x the typical value). Measured on the tiny model (results/tiny/mechanism_outlier_scan.md), outliers
+up to 8192 x leave the FP8 noise unchanged; 32768 x separates the granularities.
 
 Channel choice: `channels` distinct channels drawn with `seed` from the first `block` channels. With
 hidden size 256 the tiny model has only two 1x128 blocks per token; an LLM (hidden 4096: 32 blocks)

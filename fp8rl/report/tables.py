@@ -304,6 +304,23 @@ def noise_markdown(cells: list[Any], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def noise_scan_markdown(cells: list[Any], header: str) -> str:
+    """Raw log-prob noise per recipe against the injected outlier scale (mode ``noise_scan``)."""
+    scan = [r for r in cells if r.data.params["mode"] == "noise_scan"]
+    recipes = [r for r in MECH_ORDER if any(f"noise/{r}" in c.data.metrics for c in scan)]
+    head = ["checkpoint", "outlier scale", *recipes]
+    lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in sorted(
+        scan, key=lambda r: (r.data.params["checkpoint"] != "early", r.data.metrics.get("mech/outlier_scale", 0))
+    ):
+        m = run.data.metrics
+        values = [f"{m[f'noise/{r}']:.4f}" if f"noise/{r}" in m else "-" for r in recipes]
+        lines.append(
+            "| " + " | ".join([run.data.params["checkpoint"], f"{m.get('mech/outlier_scale', 0):g}", *values]) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def write_mechanism(experiment: str, out_dir: Path, tracking_uri: str | None = None) -> list[Path]:
     cells, uri = load_mechanism(experiment, tracking_uri)
     if not cells:
@@ -335,6 +352,17 @@ def write_mechanism(experiment: str, out_dir: Path, tracking_uri: str | None = N
         )
     )
     written.append(noise)
+    if any(r.data.params["mode"] == "noise_scan" for r in cells):
+        scan = out_dir / "mechanism_outlier_scan.md"
+        scan.write_text(
+            noise_scan_markdown(
+                cells,
+                f"{base}\n\nOutlier scan: mean |logp_FP8 - logp_BF16| over the "
+                "sampled response tokens with 4 injected outlier channels of the given scale "
+                "(1 = none), forwards only.",
+            )
+        )
+        written.append(scan)
     rows = out_dir / "mechanism.runs.csv"
     metric_keys = sorted({k for r in cells for k in r.data.metrics})
     with open(rows, "w", newline="") as fh:

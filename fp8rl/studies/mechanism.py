@@ -58,8 +58,11 @@ class MechanismConfig:
     lrs: tuple[float, ...] = (1e-6, 3e-6, 1e-5, 3e-5, 1e-4)
     recipes: tuple[str, ...] = RECIPES
     checkpoints: tuple[str, ...] = ("early", "late")
-    outliers: tuple[tuple[int, float], ...] = ((0, 1.0), (4, 32.0))  # (channels, scale); (0, 1) = as trained
-    batches: int = 3  # GRPO batches pooled per cell
+    # (channels, scale); (0, 1) = as trained. E4M3 absorbs outliers up to ~1e4 x (its dynamic range; see the
+    # noise scan), so the variant uses 32768 x, the regime of LLMs' massive activations.
+    outliers: tuple[tuple[int, float], ...] = ((0, 1.0), (4, 32768.0))
+    noise_scan: tuple[float, ...] = (1.0, 32.0, 1024.0, 8192.0, 32768.0, 131072.0)  # outlier scales, 4 channels
+    batches: int = 2  # GRPO batches pooled per cell
     prompts: int = 64  # prompts per batch (x group size 8 = 512 sequences; update on 256, measure on 256)
     late_steps: int = 40  # BF16 RL steps before the "late" checkpoint (the tiny scale's run length)
     seed: int = 0
@@ -172,10 +175,9 @@ def one_update(trainer: RLTrainer, state: dict, b: dict, recipe, lr: float, eps:
     optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=lr, weight_decay=0.0)
     mb = b["batch"].select(b["update"])
     adv = b["adv"][b["update"]]
-    old, _ = trainer.logprobs(mb, recipe, grad=False)
     logp, _ = trainer.logprobs(mb, recipe, grad=True)
-    loss = algos.get_policy_loss("ppo_clip")(
-        logp, old, adv, mb.response_mask, clip_low=1 - eps[0], clip_high=1 + eps[1], agg="token-mean"
+    loss = algos.get_policy_loss("ppo_clip")(  # first mini-batch: old = current weights, ratio 1
+        logp, logp.detach(), adv, mb.response_mask, clip_low=1 - eps[0], clip_high=1 + eps[1], agg="token-mean"
     )[0]
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -219,18 +221,53 @@ def histograms(tokens: Tokens) -> dict[str, Any]:
     return out
 
 
-def measure_cell(trainer, state, batches, olds, cell: Cell, eps) -> Tokens:
+def measure_cell(trainer, state, batches, olds, cell: Cell, eps, bf16_updates: dict) -> Tokens:
+    """Pooled tokens of one cell. `bf16_updates` caches the BF16-updated log-probs per (lr, batch): the
+    mismatched cells and the BF16 cell share the same BF16 update."""
     tokens = Tokens()
     train_recipe = recipe_of(cell.recipe) if cell.mode == "full" else None
-    for b, old in zip(batches, olds, strict=True):
-        one_update(trainer, state, b, train_recipe, cell.lr, eps)
+    for i, (b, old) in enumerate(zip(batches, olds, strict=True)):
         mb = b["batch"].select(b["measure"])
-        new_ref, _ = trainer.logprobs(mb, None, grad=False)
-        new = trainer.logprobs(mb, train_recipe, grad=False)[0] if cell.mode == "full" else new_ref
+        if train_recipe is None and (cell.lr, i) in bf16_updates:
+            new_ref = bf16_updates[(cell.lr, i)]
+        else:
+            one_update(trainer, state, b, train_recipe, cell.lr, eps)
+            new_ref, _ = trainer.logprobs(mb, None, grad=False)
+            if train_recipe is None:
+                bf16_updates[(cell.lr, i)] = new_ref
+        new = trainer.logprobs(mb, train_recipe, grad=False)[0] if train_recipe is not None else new_ref
         ratio = torch.exp(new - old[cell.recipe])
         ratio_ref = torch.exp(new_ref - old["bf16"])
         tokens.add(ratio, ratio_ref, b["adv"][b["measure"]], old[cell.recipe] - old["bf16"], mb.response_mask)
     return tokens
+
+
+def noise_scan_cells(mcfg: MechanismConfig) -> list[Cell]:
+    """Raw log-prob noise per recipe vs the injected outlier scale (forwards only; ``lr`` unused)."""
+    return [
+        Cell(variant_name(4, s) if s > 1 else "none", ck, "noise_scan", "all", 0.0)
+        for ck in mcfg.checkpoints
+        for s in mcfg.noise_scan
+    ]
+
+
+def scan_noise(trainer: RLTrainer, state: dict, batches: list[dict], mcfg: MechanismConfig, scale: float) -> dict:
+    """Mean |logp_recipe - logp_BF16| over the sampled response tokens, per FP8 recipe, at outlier `scale`."""
+    trainer.model.load_state_dict(state)
+    if scale > 1:
+        inject_activation_outliers(trainer.model, 4, scale, seed=mcfg.seed)
+    olds = old_logprobs(trainer, batches, mcfg.recipes)
+    out = {}
+    for recipe in mcfg.recipes:
+        if recipe == "bf16":
+            continue
+        diffs = [
+            (o[recipe] - o["bf16"])[b["batch"].select(b["measure"]).response_mask.bool()]
+            for o, b in zip(olds, batches, strict=True)
+        ]
+        out[f"noise/{recipe}"] = float(torch.cat(diffs).abs().mean())
+    out["mech/outlier_scale"] = scale
+    return out
 
 
 def cells_for(mcfg: MechanismConfig, variant: str, checkpoint: str) -> list[Cell]:
@@ -258,6 +295,7 @@ def run_study(mcfg: MechanismConfig, log=print) -> list[str]:
         for ck in mcfg.checkpoints
         for cell in cells_for(mcfg, variant_name(ch, sc), ck)
     ]
+    plan += [(0, 1.0, cell.checkpoint, cell) for cell in noise_scan_cells(mcfg)]
     todo = [p for p in plan if p[3].name not in done]
     log(f"mechanism: {len(plan)} cells, {len(plan) - len(todo)} finished in MLflow ({uri}), {len(todo)} to run")
     if not todo:
@@ -274,9 +312,17 @@ def run_study(mcfg: MechanismConfig, log=print) -> list[str]:
         state = copy.deepcopy(trainer.model.state_dict())
         batches = sample_batches(trainer, mcfg)
         olds = old_logprobs(trainer, batches, mcfg.recipes)
+        bf16_updates: dict = {}
         for cell in cells:
-            tokens = measure_cell(trainer, state, batches, olds, cell, eps)
-            done[cell.name] = _log_cell(client, exp_id, cell, mcfg, cell_metrics(tokens, eps), histograms(tokens), prov)
+            if cell.mode == "noise_scan":
+                scale = float(cell.variant.split("x")[-1]) if cell.variant != "none" else 1.0
+                done[cell.name] = _log_cell(
+                    client, exp_id, cell, mcfg, scan_noise(trainer, state, batches, mcfg, scale), None, prov
+                )
+            else:
+                tokens = measure_cell(trainer, state, batches, olds, cell, eps, bf16_updates)
+                metrics, hist = cell_metrics(tokens, eps), histograms(tokens)
+                done[cell.name] = _log_cell(client, exp_id, cell, mcfg, metrics, hist, prov)
             finished += 1
             elapsed = time.monotonic() - started
             eta = elapsed / finished * (len(todo) - finished)
@@ -325,10 +371,11 @@ def _log_cell(client, exp_id, cell: Cell, mcfg: MechanismConfig, metrics, hist, 
         params=[Param(k, str(v)) for k, v in params.items()],
         tags=[RunTag(k, str(v)) for k, v in {"mode": cell.mode, "recipe": cell.recipe}.items()],
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "ratio_histograms.json"
-        path.write_text(json.dumps(hist))
-        client.log_artifact(run_id, str(path))
+    if hist is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "ratio_histograms.json"
+            path.write_text(json.dumps(hist))
+            client.log_artifact(run_id, str(path))
     client.set_terminated(run_id, "FINISHED")
     return run_id
 
@@ -357,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(mcfg, name, getattr(args, name))
     if args.no_outliers:
         mcfg.outliers = ((0, 1.0),)
+        mcfg.noise_scan = ()
     run_study(mcfg)
     return 0
 
