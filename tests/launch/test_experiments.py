@@ -21,7 +21,7 @@ EXPECTED = {  # experiment -> (points, axes)
     "grpo_granularity": (8, ["+experiment/arm"]),
     "dapo_table": (8, ["+experiment/arm"]),
     "ablation_lower_only": (2, ["+experiment/arm"]),
-    "stress_outliers": (6, ["+experiment/arm"]),
+    "stress_outliers": (4, ["+experiment/arm"]),
     "ablation_recal_interval": (3, ["clipping.interval"]),
     "ablation_init_bounds": (2, ["+experiment/arm"]),
     "fp8_rollout_baseline": (4, ["precision", "clipping"]),
