@@ -27,7 +27,7 @@ RECAL_K ?= $(if $(filter paper,$(SCALE)),10$(comma)20$(comma)40,2$(comma)5$(comm
 REPRO_SWEEP = $(VENV)/bin/fp8rl sweep --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(SWEEP_ARGS)
 REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 
-.PHONY: setup test test-fast lint docs demo bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce
+.PHONY: setup test test-fast lint docs demo bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-check
 
 setup: $(STAMP)
 
@@ -101,6 +101,10 @@ figures: setup
 
 reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures
 	$(REPORT) index
+
+# The GPU path's one prepared check (a GPU host with the `gpu` extra): tests + timed ratios into results/gpu/.
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 bench-launch: setup slurm-up
 	$(PY) benchmarks/launch_overhead.py --out $(BENCH_OUT)/launch_overhead.json

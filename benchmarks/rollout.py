@@ -105,7 +105,12 @@ def bench_vllm(name, model, cfg, task, prompts, sampling, repeats) -> dict:
 
     recipe, fp8_kv_cache, dtype = VLLM[name]
     engine = VllmEngine(
-        model, cfg, task.tokenizer.pad_id, recipe=recipe, fp8_kv_cache=fp8_kv_cache, dtype=dtype,
+        model,
+        cfg,
+        task.tokenizer.pad_id,
+        recipe=recipe,
+        fp8_kv_cache=fp8_kv_cache,
+        dtype=dtype,
         max_num_seqs=len(prompts),
     )
     try:
@@ -172,33 +177,50 @@ def main() -> None:
     for row in rows.values():
         if reference and "tokens_per_s" in row:
             row["tokens_per_s_vs_builtin_bf16"] = row["tokens_per_s"] / reference
-    print(f"\n{len(prompts)} rows ({args.prompts} prompts x {args.group}), max {sampling.max_new_tokens} new tokens, "
-          f"torch threads {torch.get_num_threads()}")
-    print(f"{'engine':14s} {'tokens/s':>9s} {'x bf16':>7s} {'rollout_s':>9s} {'cpu_s':>7s} {'startup_s':>9s} "
-          f"{'push_s':>7s} {'step_s':>7s} {'push/step':>9s}")
+    print(
+        f"\n{len(prompts)} rows ({args.prompts} prompts x {args.group}), max {sampling.max_new_tokens} new tokens, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"{'engine':14s} {'tokens/s':>9s} {'x bf16':>7s} {'rollout_s':>9s} {'cpu_s':>7s} {'startup_s':>9s} "
+        f"{'push_s':>7s} {'step_s':>7s} {'push/step':>9s}"
+    )
     for name, row in rows.items():
         if "skipped" in row:
             print(f"{name:14s} skipped: {row['skipped']}")
             continue
-        cells = [f"{row.get(k, float('nan')):{w}.{p}f}" for k, w, p in (
-            ("tokens_per_s", 9, 1), ("tokens_per_s_vs_builtin_bf16", 7, 2), ("rollout_s", 9, 3), ("cpu_s", 7, 3),
-            ("startup_s", 9, 1), ("push_s", 7, 3), ("step_s", 7, 3), ("push_fraction_of_step", 9, 3))]
+        cells = [
+            f"{row.get(k, float('nan')):{w}.{p}f}"
+            for k, w, p in (
+                ("tokens_per_s", 9, 1),
+                ("tokens_per_s_vs_builtin_bf16", 7, 2),
+                ("rollout_s", 9, 3),
+                ("cpu_s", 7, 3),
+                ("startup_s", 9, 1),
+                ("push_s", 7, 3),
+                ("step_s", 7, 3),
+                ("push_fraction_of_step", 9, 3),
+            )
+        ]
         print(f"{name:14s} " + " ".join(cells))
-    write_json(args.out, {
-        "benchmark": "rollout",
-        "model": "tiny",
-        "weights": args.weights or "random (std 0.1)",
-        "rows_per_batch": len(prompts),
-        "prompts": args.prompts,
-        "group": args.group,
-        "max_new_tokens": sampling.max_new_tokens,
-        "temperature": args.temperature,
-        "repeats": args.repeats,
-        "reference": REFERENCE,
-        "step_definition": "rollout + one fp32 trainer pass (log-probs fwd+bwd+AdamW) + weight push",
-        "engine_versions": engine_versions(),
-        "results": rows,
-    })
+    write_json(
+        args.out,
+        {
+            "benchmark": "rollout",
+            "model": "tiny",
+            "weights": args.weights or "random (std 0.1)",
+            "rows_per_batch": len(prompts),
+            "prompts": args.prompts,
+            "group": args.group,
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": args.temperature,
+            "repeats": args.repeats,
+            "reference": REFERENCE,
+            "step_definition": "rollout + one fp32 trainer pass (log-probs fwd+bwd+AdamW) + weight push",
+            "engine_versions": engine_versions(),
+            "results": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -100,6 +100,24 @@ class ModelSection:
 
 
 @dataclass
+class ParallelSection:
+    """GPU layout (fp8rl.models.parallel): None = the model preset's layout; set a field to override it."""
+
+    tensor_parallel: int | None = None  # TP size (within a node)
+    pipeline_parallel: int | None = None  # PP size
+    nodes: int | None = None  # nodes per job (DP = nodes x GPUs / (TP x PP))
+    gpus_per_node: int | None = None  # GPUs (= ranks) per node
+    max_seq_len: int | None = None  # trainer sequence length
+    micro_batch_size: int | None = None  # sequences per micro-batch and rank
+    rollout_placement: str | None = None  # "colocated" (vLLM shares the trainer GPUs) or "separate"
+    rollout_tensor_parallel: int | None = None
+    rollout_gpus: int | None = None  # separate placement: GPUs per job reserved for vLLM
+    distributed_optimizer: bool | None = None
+    activation_recompute: bool | None = None
+    gpu_memory_gb: float | None = None  # per GPU, for the memory check (H100 80, H200 141)
+
+
+@dataclass
 class TaskSection:
     """The verifiable-reward task."""
 
@@ -160,6 +178,7 @@ class RunConfig:
     clipping: ClippingConfig = field(default_factory=ClippingConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     task: TaskSection = field(default_factory=TaskSection)
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -259,6 +278,8 @@ def validate(cfg: RunConfig, cuda_available: bool = False) -> RunConfig:
         raise ConfigError("model.device=cuda but no CUDA device was found; use model.device=cpu")
     if cfg.model.device == "cpu" and cfg.model.preset != "tiny":
         raise ConfigError(f"model.preset={cfg.model.preset} is a GPU-scale model; on this CPU use model.preset=tiny")
+    if cfg.model.device == "cuda" or any(v is not None for v in dataclasses.asdict(cfg.parallel).values()):
+        _check_parallel(cfg)
     if r.temperature <= 0:
         raise ConfigError(
             "rollout.temperature must be > 0 for RL sampling (log-probs of a greedy policy are degenerate)"
@@ -274,6 +295,23 @@ def validate(cfg: RunConfig, cuda_available: bool = False) -> RunConfig:
     return cfg
 
 
+def parallel_layout(cfg: RunConfig):
+    """The run's GPU layout: the model preset's (fp8rl.models.parallel) with `cfg.parallel` overrides."""
+    from fp8rl.models.parallel import preset_layout
+
+    return preset_layout(cfg.model.preset, **dataclasses.asdict(cfg.parallel))
+
+
+def _check_parallel(cfg: RunConfig) -> None:
+    from fp8rl.models.config import get_model_config
+    from fp8rl.models.parallel import ParallelLayoutError, check_layout
+
+    try:
+        check_layout(parallel_layout(cfg), get_model_config(cfg.model.preset))
+    except ParallelLayoutError as err:
+        raise ConfigError(str(err)) from err
+
+
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain nested dict of the config (for hashing, logging and YAML)."""
     return dataclasses.asdict(cfg)
@@ -281,6 +319,9 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
 
 # Fields that change where or how a run is stored, not what it computes: left out of the config hash.
 _HASH_EXCLUDED = ("tracking", "trainer.out_dir", "trainer.threads", "warmstart.cache_dir")
+# Sections added after runs were published: they enter the hash only where set, so that adding them does
+# not change the identity of finished runs (MLflow reuse in `fp8rl sweep`). New sections go here.
+_HASH_ONLY_WHEN_SET = ("parallel",)
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -290,6 +331,9 @@ def config_hash(cfg: RunConfig) -> str:
     """
     flat = flatten(to_dict(cfg))
     kept = {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in _HASH_EXCLUDED)}
+    kept = {
+        k: v for k, v in kept.items() if v is not None or not k.startswith(tuple(f"{s}." for s in _HASH_ONLY_WHEN_SET))
+    }
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

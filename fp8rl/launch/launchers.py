@@ -162,3 +162,22 @@ def check_fits(cfg: RunConfig, launcher: Launcher) -> None:
             f"{' and '.join(needs)} need a GPU, but launcher {launcher.describe()} has none: use scale=tiny "
             "(CPU), or --launcher slurm with a GPU profile (e.g. --profile example_h100)"
         )
+    if launcher.kind == "slurm" and cfg.model.device == "cuda":
+        check_slurm_layout(cfg, launcher)
+
+
+def check_slurm_layout(cfg: RunConfig, launcher: Launcher) -> None:
+    """The job's nodes x GPUs (profile) must be what the run's parallel layout expects."""
+    from fp8rl.config import parallel_layout
+
+    layout = parallel_layout(cfg)
+    nodes = int(launcher.params.get("nodes") or 1)
+    gpus = int(launcher.params.get("gpus_per_node") or 0)
+    tasks = int(launcher.params.get("tasks_per_node") or 1)
+    if (nodes, gpus) != (layout.nodes, layout.gpus_per_node) or tasks != gpus:
+        raise ConfigError(
+            f"{cfg.model.preset}'s layout ({layout.describe()}) needs nodes={layout.nodes}, "
+            f"gpus_per_node={layout.gpus_per_node}, tasks_per_node={layout.gpus_per_node} (one rank per GPU), but "
+            f"profile {launcher.profile} gives nodes={nodes}, gpus_per_node={gpus}, tasks_per_node={tasks}: pass "
+            f"--set nodes={layout.nodes} or set parallel.nodes / parallel.gpus_per_node to match the profile"
+        )

@@ -316,7 +316,17 @@ def megatron_to_hf(megatron_tensors: Mapping[str, Any], cfg: ModelConfig) -> dic
 def hf_weights(model: torch.nn.Module, cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
     """(HF name, tensor) pairs of ``model``'s current weights, detached views (what a rollout engine loads)."""
     state = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, Tensor)}
-    return iter_hf_tensors(state, cfg)
+    return iter_hf_tensors(local_names(model, state), cfg)
+
+
+def local_names(model: torch.nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A Transformer Engine model's state under the local spec's names (the mapping's), else as is."""
+    inner = getattr(model, "module", model)
+    if getattr(inner, "fp8rl_backend", None) != "te":
+        return state
+    from fp8rl.models.te_backend import te_to_local_state_dict
+
+    return te_to_local_state_dict({k.removeprefix("module."): v for k, v in state.items()})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -367,7 +377,11 @@ def save_hf_checkpoint(
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
+    state = (
+        local_names(model_or_state, model_or_state.state_dict())
+        if isinstance(model_or_state, torch.nn.Module)
+        else model_or_state
+    )
     special: dict[str, int | None] = {}
     if hasattr(tokenizer, "save"):  # CharTokenizer
         tokenizer.save(directory, model_max_length=cfg.max_seq_len)
@@ -389,4 +403,3 @@ def save_hf_checkpoint(
 def hf_architecture_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The fields of ``cfg`` that define its computation (for comparing an imported config with its source)."""
     return {f: getattr(cfg, f) for f in ARCHITECTURE_FIELDS}
-

@@ -38,11 +38,16 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 def forward_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """Logits of ``model`` for a padded batch: input_ids (b, s), attention_mask (b, s) -> (b, s, vocab)."""
-    return model(
+    logits = model(
         input_ids,
         position_ids_from_mask(attention_mask),
         causal_padding_mask(attention_mask),
     )
+    if getattr(getattr(model, "module", model), "fp8rl_backend", None) == "te":  # TP-sharded vocabulary
+        from fp8rl.models.te_backend import gather_vocab_parallel
+
+        logits = gather_vocab_parallel(logits)
+    return logits
 
 
 def logprobs_and_entropy_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:

@@ -30,6 +30,7 @@ from fp8rl.rollout import BuiltinEngine, RolloutBatch
 from fp8rl.tasks.base import Problem, batch_rewards, build_task, garble_metrics, task_config
 from fp8rl.tracking import NullTracker, Tracker
 from fp8rl.trainer import checkpoint as ckpt
+from fp8rl.trainer.optim import MegatronPolicyOptimizer, TorchPolicyOptimizer
 from fp8rl.trainer.precision import PrecisionPlan, plan_precision, running_in
 from fp8rl.trainer.warmstart import WarmStartConfig, load_warmstarted_model, warmstart
 
@@ -101,15 +102,10 @@ class RLTrainer:
         ws = cfg.warmstart
         ws_cfg = WarmStartConfig(steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, seed=ws.seed)
         self.warmstart = warmstart(self.model_cfg, self.task_cfg, ws_cfg, ws.cache_dir)
-        self.model = load_warmstarted_model(self.warmstart.weights_path, self.model_cfg, seed=ws.seed)
-        if cfg.model.outlier_channels:
-            inject_activation_outliers(self.model, cfg.model.outlier_channels, cfg.model.outlier_scale, seed=ws.seed)
+        self.plan: PrecisionPlan = plan_precision(cfg.precision)
+        self.model, self.optimizer = self._policy_and_optimizer(self.warmstart.weights_path)
         self.model.train()
         self.ref_model = self._reference_model()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay, betas=(0.9, 0.999)
-        )
-        self.plan: PrecisionPlan = plan_precision(cfg.precision)
         self.engine = self._rollout_engine()
         self.clip_policy = clip_policy_from_config(cfg)
         self.policy_loss = algos.get_policy_loss(cfg.algo.policy_loss)
@@ -122,6 +118,24 @@ class RLTrainer:
         )
         self.step = 0
         self.bad_steps_in_a_row = 0
+
+    def _policy_and_optimizer(self, weights_path):
+        """The policy on its backend: local spec + torch AdamW, or the TE spec + Megatron DDP/optimizer."""
+        cfg, ws = self.cfg, self.cfg.warmstart
+        model = load_warmstarted_model(weights_path, self.model_cfg, seed=ws.seed)
+        if cfg.model.outlier_channels:
+            inject_activation_outliers(model, cfg.model.outlier_channels, cfg.model.outlier_scale, seed=ws.seed)
+        if cfg.precision.backend != "te":
+            return model, TorchPolicyOptimizer(model, cfg.algo.lr, cfg.algo.weight_decay)
+        from fp8rl.config import parallel_layout
+        from fp8rl.models import te_backend
+
+        layout = parallel_layout(cfg)
+        te_model = te_backend.build_te_gpt_model(self.model_cfg, layout, self.plan.train_recipe, seed=ws.seed)
+        state = te_backend.local_to_te_state_dict(model.state_dict())
+        te_model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, strict=False)
+        ddp_model, optimizer = te_backend.policy_optimizer(te_model, layout, cfg.algo.lr, cfg.algo.weight_decay)
+        return ddp_model, MegatronPolicyOptimizer(ddp_model, optimizer)
 
     def _rollout_engine(self):
         cfg = self.cfg
@@ -381,7 +395,7 @@ class RLTrainer:
         out = algos.metrics_to_floats(metrics)
         out["actor/loss"] = float(loss.detach())
         out["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         if not torch.isfinite(loss):
             out["train/nonfinite"] = 1.0
             return out, False
@@ -390,16 +404,13 @@ class RLTrainer:
         except ValueError as err:  # FP8 quantization met NaN/Inf in a gradient
             log.warning("step %d: non-finite FP8 gradient: %s", self.step, err)
             out["train/nonfinite"] = 1.0
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
             return out, False
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
+        grad_norm, applied = self.optimizer.clip_and_step(a.grad_clip)
         out["actor/grad_norm"] = float(grad_norm)
-        if not torch.isfinite(grad_norm):
+        if not applied:
             out["train/nonfinite"] = 1.0
-            self.optimizer.zero_grad(set_to_none=True)
-            return out, False
-        self.optimizer.step()
-        return out, True
+        return out, applied
 
     def ratio_histograms(self, step, ratio_ref, ratio_fp8, adv, mask) -> dict[str, float]:
         """Write BF16-shadow vs FP8 ratio histograms (split by advantage sign) as a JSON artifact."""

@@ -190,14 +190,25 @@ def test_mxfp8_quantizer_matches_bit_for_bit(fmt):
 # ---------------------------------------------------------------- a whole linear layer
 
 
-def test_te_linear_with_block_scaling_matches_fp8_linear():
-    """Forward, dgrad and wgrad of te.Linear under Float8BlockScaling vs fp8_linear("blockwise").
+TE_LINEAR_CASES = {  # our recipe -> (TE recipe class, TE feature, extra operand error of the scale convention)
+    "blockwise": ("Float8BlockScaling", "fp8_block_scaling", 0.0),  # pow2 scales: identical operands
+    "mxfp8": ("MXFP8BlockScaling", "mxfp8", 0.0),  # E8M0 scales: identical operands
+    "tensorwise": ("Float8CurrentScaling", "fp8", 2.0**-3),  # float32 scales: a code may move one step
+}
 
-    Both quantize every operand identically (the block quantizer test), so they differ only by GEMM
-    accumulation: within (2^-7 + (n + 6) 2^-24) sum_k |a_k||b_k| of each other (module docstring),
-    bounded here with the unquantized magnitudes times (1 + 2^-4)^2 for the quantized ones.
+
+@pytest.mark.parametrize("recipe", sorted(TE_LINEAR_CASES))
+def test_te_linear_matches_fp8_linear(recipe):
+    """Forward, dgrad and wgrad of te.Linear under the TE recipe vs fp8_linear(recipe).
+
+    With power-of-two scales both quantize every operand identically (the quantizer tests), so they differ
+    only by GEMM accumulation: within (2^-7 + (n + 6) 2^-24) sum_k |a_k||b_k| of each other (module
+    docstring), bounded with the unquantized magnitudes times (1 + 2^-4)^2 for the quantized ones. With
+    float32 current scaling an operand code can move by one FP8 step (2^-3 relative) where the two scale
+    conventions round differently; that adds 2 * 2^-3 to the factor.
     """
-    require("fp8_block_scaling")
+    te_class, feature, convention = TE_LINEAR_CASES[recipe]
+    require(feature)
     m, k, n = 256, 512, 384
     x = sample_input(m, k, seed=5)
     w = torch.randn(n, k, device=DEVICE) / k**0.5
@@ -207,16 +218,17 @@ def test_te_linear_with_block_scaling_matches_fp8_linear():
     with torch.no_grad():
         layer.weight.copy_(w)
     x_te = x.clone().requires_grad_()
-    with fp8_autocast(te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3)):
+    with fp8_autocast(getattr(te_recipe, te_class)(fp8_format=te_recipe.Format.E4M3)):
         y_te = layer(x_te)
     y_te.backward(dy)
 
     x_ours, w_ours = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y_ours = fp8_linear(x_ours, w_ours, None, get_recipe("blockwise"))
+    y_ours = fp8_linear(x_ours, w_ours, None, get_recipe(recipe))
     y_ours.backward(dy)
 
     def bound(a: torch.Tensor, b: torch.Tensor, reduction: int) -> torch.Tensor:
-        return (2.0**-7 + (reduction + 6) * 2.0**-24) * (1 + 2.0**-4) ** 2 * (a.abs() @ b.abs().t())
+        factor = 2.0**-7 + (reduction + 6) * 2.0**-24 + 2 * convention
+        return factor * (1 + 2.0**-4) ** 2 * (a.abs() @ b.abs().t())
 
     assert bool(((y_te - y_ours).abs() <= bound(x, w, k)).all())
     assert bool(((x_te.grad - x_ours.grad).abs() <= bound(dy, w.t(), n)).all())

@@ -47,8 +47,10 @@ def test_table_groups_seeds_reduces_histories_and_sets_the_paper_beside_ours(sto
     out = tmp_path / "results"
     written = tables.write_table("grpo_granularity-tiny", out, tracking_uri=store)
     assert {p.name for p in written} == {
-        "grpo_granularity-tiny.md", "grpo_granularity-tiny.csv",
-        "grpo_granularity-tiny.runs.csv", "grpo_granularity-tiny.runs.json",
+        "grpo_granularity-tiny.md",
+        "grpo_granularity-tiny.csv",
+        "grpo_granularity-tiny.runs.csv",
+        "grpo_granularity-tiny.runs.json",
     }
     rows = {r["arm"]: r for r in csv.DictReader(open(out / "grpo_granularity-tiny.csv"))}
     assert rows["bf16"]["runs"] == "3"  # the FAILED run is left out

@@ -16,4 +16,3 @@ def task() -> ArithmeticTask:
 @pytest.fixture(scope="session")
 def tiny_cfg(task) -> ModelConfig:
     return with_tokenizer_vocab(get_model_config("tiny"), task.tokenizer.vocab_size)
-

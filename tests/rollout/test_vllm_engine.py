@@ -170,8 +170,12 @@ def test_exported_task_folder_serves_text_prompts_with_its_tokenizer(task, tiny_
     save_hf_checkpoint(model, tiny_cfg, tmp_path, tokenizer=task.tokenizer)
     vllm = import_vllm()
     llm = vllm.LLM(
-        model=str(tmp_path), dtype="float32", distributed_executor_backend="uni", enforce_eager=True,
-        max_model_len=tiny_cfg.max_seq_len, kv_cache_memory_bytes=16 << 20,
+        model=str(tmp_path),
+        dtype="float32",
+        distributed_executor_backend="uni",
+        enforce_eager=True,
+        max_model_len=tiny_cfg.max_seq_len,
+        kv_cache_memory_bytes=16 << 20,
     )
     try:
         texts = [problem.prompt for problem in task.train_problems[:4]]

@@ -1,0 +1,190 @@
+"""Parallel layouts for the GPU model presets on 8-GPU nodes, checked before anything launches.
+
+A layout fixes the tensor (TP), pipeline (PP) and data (DP = world / (TP x PP)) parallel sizes of the
+Megatron trainer, its sequence length and micro-batch, and where the vLLM rollout runs:
+
+- ``colocated``: vLLM shares every trainer GPU (sleep/wake between phases), each engine over
+  ``rollout_tp`` GPUs; the memory check counts vLLM's share (``rollout_memory_fraction``);
+- ``separate``: ``rollout_gpus`` GPUs per job are reserved for vLLM; the trainer gets the rest.
+
+Presets (ours; the paper gives model sizes and context lengths, not layouts). Context: the paper trains
+Qwen3-8B-Base at 16K; the 4K/8K lengths it lists are assigned to the 32B and 14B runs here (*uncertain*).
+
+| preset       | nodes x GPUs | TP | PP | DP | seq   | micro | rollout            |
+|--------------|--------------|----|----|----|-------|-------|--------------------|
+| qwen3_8b     | 1 x 8        | 2  | 1  | 4  | 16384 | 1     | colocated, vLLM TP 1 |
+| qwen3_14b    | 1 x 8        | 4  | 1  | 2  | 8192  | 1     | colocated, vLLM TP 2 |
+| qwen2_5_32b  | 2 x 8        | 8  | 1  | 2  | 4096  | 1     | colocated, vLLM TP 4 |
+
+The memory estimate (per GPU, bytes) is deliberately simple and conservative: BF16 weights and
+gradients (2 + 2 bytes/param) sharded by TP x PP, FP32 master weights and Adam moments (12 bytes/param)
+sharded further by DP with the distributed optimizer, activations with full recomputation off
+(~34 x seq x micro x hidden bytes per layer / TP, Korthikanti et al. 2022; with full recomputation,
+the default, only each layer's BF16 input is kept plus one layer's activations), plus the colocated vLLM
+share. It refuses layouts that cannot fit and says what to change; it does not prove a
+layout fits (fragmentation, NCCL buffers), which only a GPU run shows.
+
+Verified where: this module (presets, divisibility, memory check, rendered layout) is tested on CPU
+(tests/models/test_parallel.py); no layout has been run on a GPU cluster from this repository yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fp8rl.models.config import ModelConfig, parameter_count
+
+PLACEMENTS = ("colocated", "separate")
+GPU_MEMORY_GB = {"h100": 80.0, "h200": 141.0, "b200": 180.0, "a100": 80.0}
+
+
+class ParallelLayoutError(ValueError):
+    """A layout that cannot run on the requested GPUs; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    nodes: int = 1
+    gpus_per_node: int = 8
+    max_seq_len: int = 4096
+    micro_batch_size: int = 1
+    rollout_placement: str = "colocated"
+    rollout_tensor_parallel: int = 1
+    rollout_gpus: int = 0  # separate placement: GPUs per job reserved for vLLM
+    rollout_memory_fraction: float = 0.35  # colocated: vLLM's share of each GPU (weights + KV cache)
+    distributed_optimizer: bool = True
+    activation_recompute: bool = True  # Megatron recompute_granularity="full": keep only each layer's input
+    gpu_memory_gb: float = 80.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def trainer_gpus(self) -> int:
+        return self.world_size - (self.rollout_gpus if self.rollout_placement == "separate" else 0)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.trainer_gpus // (self.tensor_parallel * self.pipeline_parallel)
+
+    def describe(self) -> str:
+        rollout = (
+            f"vLLM colocated on all {self.world_size} GPUs (TP {self.rollout_tensor_parallel})"
+            if self.rollout_placement == "colocated"
+            else f"vLLM on {self.rollout_gpus} separate GPUs (TP {self.rollout_tensor_parallel})"
+        )
+        return (
+            f"{self.nodes} node(s) x {self.gpus_per_node} GPUs: trainer TP {self.tensor_parallel} x PP "
+            f"{self.pipeline_parallel} x DP {self.data_parallel}, seq {self.max_seq_len}, micro-batch "
+            f"{self.micro_batch_size}, {'distributed' if self.distributed_optimizer else 'replicated'} optimizer"
+            f"{', full recompute' if self.activation_recompute else ''}; "
+            f"{rollout}"
+        )
+
+
+PARALLEL_PRESETS: dict[str, ParallelLayout] = {
+    "tiny": ParallelLayout(gpus_per_node=1, max_seq_len=64, rollout_memory_fraction=0.2),
+    "qwen3_8b": ParallelLayout(tensor_parallel=2, max_seq_len=16384, rollout_tensor_parallel=1),
+    "qwen3_14b": ParallelLayout(tensor_parallel=4, max_seq_len=8192, rollout_tensor_parallel=2),
+    "qwen2_5_32b": ParallelLayout(tensor_parallel=8, nodes=2, max_seq_len=4096, rollout_tensor_parallel=4),
+}
+
+
+def preset_layout(model_preset: str, **overrides) -> ParallelLayout:
+    """The preset layout of `model_preset`, with `overrides` (None values ignored) applied."""
+    if model_preset not in PARALLEL_PRESETS:
+        raise ParallelLayoutError(f"no parallel preset for model {model_preset!r}; valid: {sorted(PARALLEL_PRESETS)}")
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    unknown = set(changes) - {f.name for f in dataclasses.fields(ParallelLayout)}
+    if unknown:
+        raise ParallelLayoutError(f"unknown parallel settings {sorted(unknown)}")
+    return dataclasses.replace(PARALLEL_PRESETS[model_preset], **changes)
+
+
+def check_layout(layout: ParallelLayout, model: ModelConfig) -> None:
+    """Raise ParallelLayoutError naming the setting to change when `layout` cannot run `model`."""
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    if layout.rollout_placement not in PLACEMENTS:
+        raise ParallelLayoutError(
+            f"parallel.rollout_placement={layout.rollout_placement!r}; choose one of {PLACEMENTS}"
+        )
+    if min(tp, pp, layout.nodes, layout.gpus_per_node, layout.micro_batch_size, layout.rollout_tensor_parallel) < 1:
+        raise ParallelLayoutError("parallel sizes, nodes, GPUs per node and micro-batch size must all be >= 1")
+    if tp > layout.gpus_per_node:
+        raise ParallelLayoutError(
+            f"parallel.tensor_parallel={tp} spans more than one node ({layout.gpus_per_node} GPUs): keep TP within "
+            "NVLink, use parallel.pipeline_parallel for more"
+        )
+    if model.num_attention_heads % tp or model.num_query_groups % tp and tp % model.num_query_groups:
+        raise ParallelLayoutError(
+            f"parallel.tensor_parallel={tp} does not divide {model.name}'s {model.num_attention_heads} query heads / "
+            f"{model.num_query_groups} KV groups; choose a TP in {valid_tensor_parallel(model, layout.gpus_per_node)}"
+        )
+    if model.num_layers % pp:
+        raise ParallelLayoutError(
+            f"parallel.pipeline_parallel={pp} does not divide {model.name}'s {model.num_layers} layers; choose one of "
+            f"{_divisors(model.num_layers, layout.world_size)}"
+        )
+    if layout.max_seq_len > model.max_seq_len:
+        raise ParallelLayoutError(
+            f"parallel.max_seq_len={layout.max_seq_len} exceeds {model.name}'s {model.max_seq_len} positions"
+        )
+    if layout.rollout_placement == "separate":
+        if not 0 < layout.rollout_gpus < layout.world_size:
+            raise ParallelLayoutError(
+                f"parallel.rollout_placement=separate needs 0 < parallel.rollout_gpus < {layout.world_size} GPUs"
+            )
+        if layout.rollout_gpus % layout.rollout_tensor_parallel:
+            raise ParallelLayoutError(
+                f"parallel.rollout_gpus={layout.rollout_gpus} is not a multiple of the vLLM TP "
+                f"{layout.rollout_tensor_parallel}"
+            )
+    elif layout.rollout_gpus:
+        raise ParallelLayoutError("parallel.rollout_gpus is for rollout_placement=separate; set it to 0 or switch")
+    if layout.trainer_gpus % (tp * pp) or layout.data_parallel < 1:
+        raise ParallelLayoutError(
+            f"{layout.trainer_gpus} trainer GPUs are not a multiple of TP x PP = {tp * pp}; change "
+            "parallel.tensor_parallel / pipeline_parallel or the node count"
+        )
+    need, have = estimate_memory_gb(layout, model), layout.gpu_memory_gb
+    if need > have:
+        raise ParallelLayoutError(
+            f"{model.name} with {layout.describe()} needs ~{need:.0f} GB per GPU (estimate), "
+            f"the GPU has {have:.0f} GB: "
+            "raise parallel.tensor_parallel or pipeline_parallel, add nodes (more DP shards the optimizer), lower "
+            "parallel.max_seq_len / micro_batch_size, or use rollout_placement=separate"
+        )
+
+
+def estimate_memory_gb(layout: ParallelLayout, model: ModelConfig) -> float:
+    """Per-GPU memory estimate of the trainer (+ colocated vLLM share), in GB (module docstring)."""
+    params = parameter_count(model)
+    shard = layout.tensor_parallel * layout.pipeline_parallel
+    optimizer_shard = shard * (layout.data_parallel if layout.distributed_optimizer else 1)
+    weights_and_grads = 4.0 * params / shard
+    optimizer = 12.0 * params / optimizer_shard
+    layers_here = model.num_layers / layout.pipeline_parallel
+    tokens = layout.max_seq_len * layout.micro_batch_size
+    per_layer = 34.0 * tokens * model.hidden_size / layout.tensor_parallel
+    if layout.activation_recompute:  # stored: each layer's BF16 input; live: one layer's full activations
+        activations = 2.0 * tokens * model.hidden_size * layers_here / layout.tensor_parallel + per_layer
+    else:
+        activations = per_layer * layers_here
+    trainer = (weights_and_grads + optimizer + activations) / 1e9
+    if layout.rollout_placement == "colocated":
+        return trainer + layout.rollout_memory_fraction * layout.gpu_memory_gb
+    return trainer
+
+
+def valid_tensor_parallel(model: ModelConfig, limit: int) -> list[int]:
+    """TP sizes up to `limit` that split the query heads and the KV groups (or replicate the groups)."""
+    groups = model.num_query_groups
+    return [d for d in _divisors(model.num_attention_heads, limit) if groups % d == 0 or d % groups == 0]
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, limit + 1) if n % d == 0]

@@ -1,0 +1,128 @@
+"""Parallel layouts: the presets fit, bad layouts fail before launch with what to change."""
+
+import dataclasses
+
+import pytest
+
+from fp8rl.config import ConfigError, RunConfig, config_hash, validate
+from fp8rl.launch.launchers import check_fits, resolve_launcher
+from fp8rl.models.config import get_model_config
+from fp8rl.models.parallel import (
+    PARALLEL_PRESETS,
+    ParallelLayoutError,
+    check_layout,
+    estimate_memory_gb,
+    preset_layout,
+    valid_tensor_parallel,
+)
+
+GPU_PRESETS = ("qwen3_8b", "qwen3_14b", "qwen2_5_32b")
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_presets_fit_an_80gb_gpu_and_use_whole_8_gpu_nodes(preset: str) -> None:
+    layout, model = preset_layout(preset), get_model_config(preset)
+    check_layout(layout, model)
+    assert layout.gpus_per_node == 8 and layout.world_size % 8 == 0
+    assert layout.tensor_parallel * layout.pipeline_parallel * layout.data_parallel == layout.world_size
+    assert estimate_memory_gb(layout, model) < layout.gpu_memory_gb
+
+
+def test_layout_description_names_every_size() -> None:
+    text = preset_layout("qwen2_5_32b").describe()
+    assert text == (
+        "2 node(s) x 8 GPUs: trainer TP 8 x PP 1 x DP 2, seq 4096, micro-batch 1, distributed optimizer, full "
+        "recompute; vLLM colocated on all 16 GPUs (TP 4)"
+    )
+
+
+def test_memory_estimate_counts_sharding_recompute_and_the_colocated_engine() -> None:
+    model, base = get_model_config("qwen3_8b"), preset_layout("qwen3_8b")
+    mem = lambda **kw: estimate_memory_gb(dataclasses.replace(base, **kw), model)  # noqa: E731
+    assert mem(tensor_parallel=4) < mem()
+    assert mem(nodes=2) < mem()  # more DP ranks shard the distributed optimizer's state
+    assert mem(distributed_optimizer=False) > mem()
+    assert mem(activation_recompute=False) > mem() + 20
+    separate = mem(rollout_placement="separate", rollout_gpus=2)
+    assert separate == pytest.approx(mem() - base.rollout_memory_fraction * base.gpu_memory_gb, rel=0.2)
+
+
+@pytest.mark.parametrize(
+    ("preset", "change", "message"),
+    [
+        (
+            "qwen3_8b",
+            {"tensor_parallel": 3},
+            r"does not divide qwen3_8b's 32 query heads / 8 KV groups; choose a TP in \[1, 2, 4, 8\]",
+        ),
+        ("qwen3_14b", {"tensor_parallel": 5}, r"choose a TP in \[1, 2, 4, 8\]"),
+        ("qwen3_8b", {"pipeline_parallel": 7}, r"does not divide qwen3_8b's 36 layers"),
+        ("qwen3_8b", {"tensor_parallel": 16, "nodes": 2}, r"spans more than one node"),
+        ("qwen3_8b", {"activation_recompute": False}, r"needs ~\d+ GB per GPU .* the GPU has 80 GB"),
+        ("qwen2_5_32b", {"nodes": 1}, r"needs ~\d+ GB per GPU"),
+        ("qwen3_8b", {"max_seq_len": 65536}, r"exceeds qwen3_8b's 32768 positions"),
+        ("qwen3_8b", {"rollout_placement": "separate"}, r"needs 0 < parallel.rollout_gpus < 8"),
+        ("qwen3_8b", {"rollout_placement": "remote"}, r"choose one of \('colocated', 'separate'\)"),
+        ("qwen3_8b", {"rollout_gpus": 2}, r"rollout_gpus is for rollout_placement=separate"),
+        (
+            "qwen3_8b",
+            {"rollout_placement": "separate", "rollout_gpus": 3, "rollout_tensor_parallel": 2},
+            r"not a multiple of the vLLM TP",
+        ),
+        (
+            "qwen3_8b",
+            {"rollout_placement": "separate", "rollout_gpus": 3},
+            r"5 trainer GPUs are not a multiple of TP x PP = 2",
+        ),
+    ],
+)
+def test_bad_layouts_say_what_to_change(preset: str, change: dict, message: str) -> None:
+    with pytest.raises(ParallelLayoutError, match=message):
+        check_layout(preset_layout(preset, **change), get_model_config(preset))
+
+
+def test_h200_memory_admits_the_8b_run_without_recompute() -> None:
+    check_layout(
+        preset_layout("qwen3_8b", activation_recompute=False, gpu_memory_gb=141.0), get_model_config("qwen3_8b")
+    )
+
+
+def test_unknown_preset_and_setting() -> None:
+    with pytest.raises(ParallelLayoutError, match="no parallel preset for model 'llama'"):
+        preset_layout("llama")
+    with pytest.raises(ParallelLayoutError, match="unknown parallel settings"):
+        preset_layout("qwen3_8b", expert_parallel=2)
+    assert set(PARALLEL_PRESETS) >= set(GPU_PRESETS)
+    assert valid_tensor_parallel(get_model_config("qwen3_14b"), 8) == [1, 2, 4, 8]
+
+
+def paper_cfg(preset: str = "qwen3_8b") -> RunConfig:
+    cfg = RunConfig()
+    cfg.model.preset, cfg.model.device = preset, "cuda"
+    cfg.precision.backend = "te"
+    return cfg
+
+
+def test_run_config_validation_checks_the_layout_before_launch() -> None:
+    validate(paper_cfg(), cuda_available=True)
+    cfg = paper_cfg()
+    cfg.parallel.tensor_parallel = 3
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel=3 does not divide"):
+        validate(cfg, cuda_available=True)
+
+
+def test_an_unset_parallel_section_leaves_the_config_hash_unchanged() -> None:
+    cfg = RunConfig()
+    before = config_hash(cfg)
+    cfg.parallel.tensor_parallel = 2
+    assert config_hash(cfg) != before
+    cfg.parallel.tensor_parallel = None
+    assert config_hash(cfg) == before == "397e31ecdddab46d"  # as before the section existed
+
+
+def test_slurm_profile_must_give_the_layout_its_nodes_and_gpus() -> None:
+    launcher = resolve_launcher("slurm", "example_h100", {}, None)
+    check_fits(paper_cfg("qwen3_8b"), launcher)
+    with pytest.raises(ConfigError, match=r"needs nodes=2, gpus_per_node=8.*--set nodes=2"):
+        check_fits(paper_cfg("qwen2_5_32b"), launcher)
+    check_fits(paper_cfg("qwen2_5_32b"), resolve_launcher("slurm", "example_h100", {"nodes": 2}, None))
