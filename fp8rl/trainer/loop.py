@@ -334,6 +334,8 @@ class RLTrainer:
             for rows in self.minibatches(adv.shape[0], step * 131 + epoch):
                 mb = batch.select(rows)
                 mb_mask = response_mask[rows]
+                if not bool(mb_mask.any()):  # DAPO dropped every group here: no loss, no step, no metrics
+                    continue
                 logp, entropy = self.logprobs(mb, self.plan.train_recipe, grad=True)
                 ratio_ref, extra = None, {}
                 # One shadow comparison per step, on the first mini-batch after an update (pi_theta != pi_old).
@@ -362,6 +364,8 @@ class RLTrainer:
                 update_index += 1
                 if not good:
                     return _mean_metrics(collected), False, shadow_time
+        if not collected:
+            return {"train/empty_batch": 1.0}, True, shadow_time
         return _mean_metrics(collected), True, shadow_time
 
     def minibatch_update(self, mb, mask, logp, entropy, old_logp, adv, ratio_ref, ref_policy_logp):

@@ -149,3 +149,17 @@ def test_config_hash_ignores_where_a_run_is_stored_but_not_what_it_computes() ->
     assert config_hash(a) == config_hash(b)
     b.precision.recipe = "blockwise"
     assert config_hash(a) != config_hash(b)
+
+
+def test_a_dapo_step_whose_groups_are_all_dropped_takes_no_optimizer_step(small_cfg: RunConfig, monkeypatch) -> None:
+    import fp8rl.trainer.loop as loop
+
+    small_cfg.algo.dynamic_sampling = True
+    trainer = RLTrainer(small_cfg)
+    monkeypatch.setattr(loop, "batch_rewards", lambda task, problems, responses: torch.ones(len(problems)))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    metrics = trainer.train_step(1).metrics
+    assert metrics["train/empty_batch"] == 1.0 and metrics["rollout/dropped_groups"] == small_cfg.algo.prompts_per_step
+    assert "rollout/token_mult_prob_error" not in metrics and "clip/low_neg" not in metrics  # no zeros for no tokens
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # AdamW momentum/decay did not move the weights
