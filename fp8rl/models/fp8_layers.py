@@ -20,8 +20,12 @@ class Fp8SwitchableLinearMixin:
 
     fp8_recipe: Any = None  # an fp8rl.quant Fp8Recipe, or None for the high-precision GEMM
     fp8_scaling_state: Any = None  # this layer's DelayedScalingState (amax histories), made on first delayed use
+    input_channel_scale: torch.Tensor | None = None  # fp8rl.models.outliers: GEMM sees (x * s) @ (W / s)^T
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.input_channel_scale is not None:
+            scale = self.input_channel_scale.to(device=input.device)
+            input, weight = input * scale.to(input.dtype), weight / scale.to(weight.dtype)
         if self.fp8_recipe is None:
             return super()._forward_impl(input, weight, *args, **kwargs)
         if args:

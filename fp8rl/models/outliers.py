@@ -1,18 +1,21 @@
 """Activation outlier channels, injected without changing the function the model computes.
 
-LLMs carry a few residual-stream channels whose activations are 10-100x the rest ("massive
+LLMs carry a few residual-stream channels whose activations are 10-10^4 x the rest ("massive
 activations"); they reach every linear layer's input through the pre-norms. FP8 scaling granularity
 matters through them: one outlier sets the scale of everything that shares its scale (the whole tensor
 for tensorwise, the whole token for rowwise, only its 1x128 block for blockwise, its 32 elements for
 MXFP8), and squeezes the other values towards FP8's subnormals. The tiny CPU model has no such
 channels, so granularity orderings seen on LLMs cannot show on it (PILOT.md).
 
-`inject_activation_outliers` reparametrizes every block: the pre-norm gain of channel c is multiplied
-by `scale` and the matching input column of the linear that reads it (QKV after the input norm, FC1
-after the pre-MLP norm) is divided by `scale`. In exact arithmetic the network is unchanged; what the
-FP8 linears see is an input with `scale`-times larger channels, as in an LLM, read by weight columns
-`scale` times smaller (LLMs' massive-activation channels are also read by small weights). This is an
-ablation of ours (documented in results/README.md), not something the paper does.
+`inject_activation_outliers` gives the linears that read the pre-norms (QKV, FC1) an input-channel
+scale s (`scale` on `channels` channels, 1 elsewhere): their GEMM computes (x * s) @ (W / s)^T, in BF16
+or in the FP8 recipe, so the operands the quantizer sees have `scale`-times larger activation channels
+read by `scale`-times smaller weight columns (LLMs' massive-activation channels are also read by small
+weights), while the parameters, their gradients' direction and the optimizer's view of them stay as
+trained. (Rescaling the parameters instead, norm gain x s and weight columns / s, is not invariant
+under Adam, whose per-parameter steps then move the shrunken columns s times too far: it broke BF16
+training in a first attempt.) In exact arithmetic the network is unchanged. This is an ablation of ours
+(documented in results/README.md), not something the paper does.
 
 E4M3 is a floating-point format: a larger scale moves the other values down in binades, and they only
 lose precision once they leave its normal range (below 2^-6 of the scale's 448, i.e. outliers beyond
@@ -28,10 +31,7 @@ from __future__ import annotations
 
 import torch
 
-NORM_TO_LINEAR = (
-    ("input_layernorm", "self_attention.linear_qkv"),
-    ("pre_mlp_layernorm", "mlp.linear_fc1"),
-)
+READING_LINEARS = ("self_attention.linear_qkv", "mlp.linear_fc1")  # the linears that read the pre-norms
 
 
 def outlier_channel_ids(hidden_size: int, channels: int, seed: int = 0, block: int = 128) -> torch.Tensor:
@@ -45,21 +45,28 @@ def outlier_channel_ids(hidden_size: int, channels: int, seed: int = 0, block: i
 
 @torch.no_grad()
 def inject_activation_outliers(model: torch.nn.Module, channels: int, scale: float, seed: int = 0) -> torch.Tensor:
-    """Scale `channels` pre-norm gains by `scale` and the reading linears' columns by 1/scale; returns the ids."""
+    """Give QKV and FC1 of every block the input-channel scale (`scale` on `channels` channels); returns the ids."""
     if scale <= 0:
         raise ValueError(f"model.outlier_scale={scale} must be positive")
     layers = list(_decoder_layers(model))
     hidden = layers[0].input_layernorm.weight.shape[0]
     ids = outlier_channel_ids(hidden, channels, seed)
+    channel_scale = torch.ones(hidden)
+    channel_scale[ids] = scale
     for layer in layers:
-        for norm_name, linear_name in NORM_TO_LINEAR:
-            norm = _get(layer, norm_name)
+        for linear_name in READING_LINEARS:
             linear = _get(layer, linear_name)
-            if getattr(norm, "bias", None) is not None:
-                norm.bias[ids] *= scale
-            norm.weight[ids] *= scale
-            linear.weight[:, ids] /= scale
+            if not hasattr(linear, "input_channel_scale"):
+                raise TypeError(f"{linear_name} is not an fp8rl FP8-switchable linear (build_gpt_model)")
+            linear.input_channel_scale = channel_scale.clone()
     return ids
+
+
+def remove_activation_outliers(model: torch.nn.Module) -> None:
+    """Undo `inject_activation_outliers` (the parameters were never changed)."""
+    for layer in _decoder_layers(model):
+        for linear_name in READING_LINEARS:
+            _get(layer, linear_name).input_channel_scale = None
 
 
 def _decoder_layers(model: torch.nn.Module):

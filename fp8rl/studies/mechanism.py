@@ -41,7 +41,7 @@ import torch
 
 from fp8rl import algos
 from fp8rl.config import RunConfig
-from fp8rl.models.outliers import inject_activation_outliers
+from fp8rl.models.outliers import inject_activation_outliers, remove_activation_outliers
 from fp8rl.quant import get_recipe
 from fp8rl.trainer import checkpoint as ckpt
 from fp8rl.trainer.loop import RLTrainer
@@ -62,6 +62,7 @@ class MechanismConfig:
     # noise scan), so the variant uses 32768 x, the regime of LLMs' massive activations.
     outliers: tuple[tuple[int, float], ...] = ((0, 1.0), (4, 32768.0))
     noise_scan: tuple[float, ...] = (1.0, 32.0, 1024.0, 8192.0, 32768.0, 131072.0)  # outlier scales, 4 channels
+    outlier_method: str = "input_channel_scale"  # fp8rl.models.outliers (part of the key: results depend on it)
     batches: int = 2  # GRPO batches pooled per cell
     prompts: int = 64  # prompts per batch (x group size 8 = 512 sequences; update on 256, measure on 256)
     late_steps: int = 40  # BF16 RL steps before the "late" checkpoint (the tiny scale's run length)
@@ -254,9 +255,11 @@ def noise_scan_cells(mcfg: MechanismConfig) -> list[Cell]:
 def scan_noise(trainer: RLTrainer, state: dict, batches: list[dict], mcfg: MechanismConfig, scale: float) -> dict:
     """Mean |logp_recipe - logp_BF16| over the sampled response tokens, per FP8 recipe, at outlier `scale`."""
     trainer.model.load_state_dict(state)
+    remove_activation_outliers(trainer.model)
     if scale > 1:
         inject_activation_outliers(trainer.model, 4, scale, seed=mcfg.seed)
     olds = old_logprobs(trainer, batches, mcfg.recipes)
+    remove_activation_outliers(trainer.model)
     out = {}
     for recipe in mcfg.recipes:
         if recipe == "bf16":
@@ -307,6 +310,7 @@ def run_study(mcfg: MechanismConfig, log=print) -> list[str]:
     prov, started, finished = provenance(), time.monotonic(), 0
     for (channels, scale, checkpoint), cells in _grouped(todo).items():
         trainer.model.load_state_dict(warm if checkpoint == "early" else late)
+        remove_activation_outliers(trainer.model)
         if channels:
             inject_activation_outliers(trainer.model, channels, scale, seed=mcfg.seed)
         state = copy.deepcopy(trainer.model.state_dict())

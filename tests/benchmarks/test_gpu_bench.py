@@ -24,7 +24,9 @@ def load():
 def test_refuses_without_a_gpu(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr
     assert not list(tmp_path.iterdir())
