@@ -55,7 +55,10 @@ def test_gpu_only_settings_on_a_cpu_launcher_say_what_to_change() -> None:
     cfg.model.device = "cuda"
     with pytest.raises(ConfigError, match=r"model.device=cuda need a GPU, but launcher slurm \(profile local\)"):
         check_fits(cfg, resolve_launcher("slurm", "local"))
-    check_fits(cfg, resolve_launcher("slurm", "example_h100"))
+    # the tiny model is one process on one GPU: an 8-rank node profile does not fit its layout
+    with pytest.raises(ConfigError, match=r"tiny's layout .* needs nodes=1, gpus_per_node=1, tasks_per_node=1"):
+        check_fits(cfg, resolve_launcher("slurm", "example_h100"))
+    check_fits(cfg, resolve_launcher("slurm", "example_h100", {"gpus_per_node": 1, "tasks_per_node": 1}, None))
     check_fits(RunConfig(), resolve_launcher("slurm", "local"))
 
 
