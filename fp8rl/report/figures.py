@@ -94,6 +94,9 @@ def mechanism_figures(
     client = runs.client(uri)
     plt = _plt()
     written: list[Path] = []
+    cells = [c for c in cells if c.data.params["mode"] in ("full", "mismatch")]  # not the forward-only noise scan
+    if not cells:
+        return []
     variants = sorted({c.data.params["variant"] for c in cells}, key=lambda v: (v != "none", v))
     checkpoints = sorted({c.data.params["checkpoint"] for c in cells}, key=lambda c: c != "early")
     recipes = [r for r in MECH_ORDER if r != "bf16" and any(c.data.params["recipe"] == r for c in cells)]
