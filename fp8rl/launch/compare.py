@@ -12,7 +12,7 @@ import csv
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,14 @@ def _metric(mlflow_client: Any, run: Any, spec: MetricSpec) -> float:
     return reduce([m.value for m in history], spec.agg)
 
 
+def mean_and_std(values: Iterable[float]) -> tuple[float, float]:
+    """Mean and sample std of the non-NaN values (std 0 for one value; both NaN for none)."""
+    kept = [v for v in values if not math.isnan(v)]
+    if not kept:
+        return math.nan, math.nan
+    return statistics.fmean(kept), statistics.stdev(kept) if len(kept) > 1 else 0.0
+
+
 def aggregate(rows: list[RunRow], specs: list[MetricSpec]) -> list[GroupRow]:
     """Mean and sample std over the runs of each group (seeds); NaN values are left out."""
     groups: dict[tuple[str, ...], list[RunRow]] = {}
@@ -126,9 +134,7 @@ def aggregate(rows: list[RunRow], specs: list[MetricSpec]) -> list[GroupRow]:
     for group, members in groups.items():
         mean, std = {}, {}
         for spec in specs:
-            values = [m.values[spec] for m in members if not math.isnan(m.values[spec])]
-            mean[spec] = statistics.fmean(values) if values else math.nan
-            std[spec] = statistics.stdev(values) if len(values) > 1 else 0.0 if values else math.nan
+            mean[spec], std[spec] = mean_and_std(m.values[spec] for m in members)
         out.append(GroupRow(group, len(members), mean, std))
     return out
 

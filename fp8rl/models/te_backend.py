@@ -45,29 +45,21 @@ LOCAL_TO_TE = {
 
 def local_to_te_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename a local-spec state dict (CPU model, warm start) for the TE spec; `_extra_state` keys dropped."""
-    out = {}
-    for key, value in state.items():
-        if key.endswith("_extra_state"):
-            continue
-        for local, te in LOCAL_TO_TE.items():
-            if key.endswith("." + local):
-                key = key[: -len(local)] + te
-                break
-        out[key] = value
-    return out
+    return _rename_suffixes(state, LOCAL_TO_TE)
 
 
 def te_to_local_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inverse of `local_to_te_state_dict` (for export, HF mapping and the CPU tools)."""
+    return _rename_suffixes(state, {te: local for local, te in LOCAL_TO_TE.items()})
+
+
+def _rename_suffixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in state.items():
         if key.endswith("_extra_state"):
             continue
-        for local, te in LOCAL_TO_TE.items():
-            if key.endswith("." + te):
-                key = key[: -len(te)] + local
-                break
-        out[key] = value
+        old = next((o for o in renames if key.endswith("." + o)), None)
+        out[key if old is None else key[: -len(old)] + renames[old]] = value
     return out
 
 

@@ -120,9 +120,7 @@ def group_rows(run_data: list[RunData], columns: Sequence[Column]) -> list[Group
     for key, members in groups.items():
         mean, std = {}, {}
         for col in columns:
-            values = [v for v in (reduce_column(r, col) for r in members) if not math.isnan(v)]
-            mean[col.label] = statistics.fmean(values) if values else math.nan
-            std[col.label] = statistics.stdev(values) if len(values) > 1 else 0.0 if values else math.nan
+            mean[col.label], std[col.label] = compare.mean_and_std(reduce_column(r, col) for r in members)
         out.append(Group(key, members, mean, std))
     return out
 

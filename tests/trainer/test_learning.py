@@ -1,10 +1,10 @@
 """A real learning signal: a short BF16 GRPO run raises the policy's accuracy on held-out problems.
 
-The default warm start (400 supervised steps, about 77% greedy accuracy) leaves room to improve; 12 GRPO
-steps of 16 prompts x 8 samples at lr 5e-5 are a small fraction of the tiny table's runs (40 steps
-reach about 94%). Everything is seeded, so the numbers are reproducible on this platform; the margin
-(+5 points on 128 held-out problems, and +5 points of rollout reward) is several times below the
-measured gain, and far above what a policy that does not learn would show.
+The default warm start (400 supervised steps; 0.73 greedy accuracy on these 128 problems) leaves room to
+improve; 12 GRPO steps of 16 prompts x 8 samples at lr 5e-5 are a small fraction of the tiny table's runs
+(40 steps reach about 94%). Everything is seeded, so the numbers are reproducible on this platform; the
+margin (+5 points on 128 held-out problems, and +5 points of rollout reward) is below the measured gain
+(0.734 -> 0.852 held-out, 0.771 -> 0.846 reward) and far above what a policy that does not learn would show.
 """
 
 from __future__ import annotations
