@@ -17,6 +17,7 @@ float8 primitives, block_size = the block) for the block granularities; both div
 amax-derived scale (float32 scales, also for the 1x32 blocks) and saturate, as fp8rl does.
 
 Usage: python benchmarks/quant_throughput.py [--size 4096] [--rounds 7] [--out results.json] [--thp]
+       [--malloc keep-freed|default]
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def parse_args() -> argparse.Namespace:
         help="set THP_MEM_ALLOC_ENABLE=1 (torch's CPU allocator asks for transparent huge pages), which "
         "removes most page-fault cost of fresh output buffers on machines where faults are slow",
     )
+    parser.add_argument(
+        "--malloc",
+        choices=["keep-freed", "default"],
+        default="keep-freed",
+        help="allocator: keep freed buffers for reuse, as the trainer does (fp8rl/malloc.py), or glibc's defaults, "
+        "under which every fresh output buffer page-faults again",
+    )
     parser.add_argument("--out", default=None, help="also write the results and provenance as JSON here")
     return parser.parse_args()
 
@@ -59,7 +67,11 @@ if ARGS.thp:  # read once by torch's allocator: must be set before torch is impo
 
 import torch  # noqa: E402
 
+from fp8rl.malloc import keep_freed_memory, malloc_state  # noqa: E402
 from fp8rl.quant import get_format, quantize  # noqa: E402
+
+if ARGS.malloc == "keep-freed":
+    keep_freed_memory()
 
 
 def git_sha() -> str | None:
@@ -83,6 +95,7 @@ def provenance() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE", "unset"),
+        "malloc": malloc_state(),
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "command": " ".join([sys.executable, *sys.argv]),
     }
@@ -228,7 +241,8 @@ def print_table(results: dict) -> None:
     print(f"FP8 quantization throughput, {results['config']['size']}^2 float32 -> {results['config']['fmt']}")
     print(
         f"torch {p['torch']}, torchao {p['torchao']}, {p['torch_threads']} threads, {p['platform']}, "
-        f"THP_MEM_ALLOC_ENABLE={p['thp_mem_alloc_enable']}, load avg {p['load_average_1m']}, git {p['git_sha']}"
+        f"THP_MEM_ALLOC_ENABLE={p['thp_mem_alloc_enable']}, malloc {p['malloc']}, load avg {p['load_average_1m']}, "
+        f"git {p['git_sha']}"
     )
     print(f"copy bandwidth: {results['copy_gbps']:.2f} GB/s  ({results['definitions']['copy_gbps']})")
     print(

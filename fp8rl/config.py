@@ -155,6 +155,7 @@ class TrainerConfig:
     shadow_every: int = 0  # fp8_full: BF16 shadow diagnostics (over-clip rates) every N steps; 0 = calibration only
     log_ratio_histograms: bool = True  # log BF16-shadow vs FP8 ratio histograms as artifacts
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    keep_freed_memory: bool = True  # glibc: keep freed buffers for reuse (fp8rl.malloc); speed only
 
 
 @dataclass
@@ -318,7 +319,7 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
 
 
 # Fields that change where or how a run is stored, not what it computes: left out of the config hash.
-_HASH_EXCLUDED = ("tracking", "trainer.out_dir", "trainer.threads", "warmstart.cache_dir")
+_HASH_EXCLUDED = ("tracking", "trainer.out_dir", "trainer.threads", "trainer.keep_freed_memory", "warmstart.cache_dir")
 # Sections added after runs were published: they enter the hash only where set, so that adding them does
 # not change the identity of finished runs (MLflow reuse in `fp8rl sweep`). New sections go here.
 _HASH_ONLY_WHEN_SET = ("parallel",)

@@ -16,6 +16,13 @@ The compute dtype is the autocast dtype when autocast is on (bf16 GEMMs with fp3
 else the input dtype. With bf16 compute and outer scales, the GEMM output is rounded to bf16 before
 the scales are applied: one extra bf16 rounding (unit roundoff 2^-8) that hardware avoids. With float16
 compute, the raw-FP8 GEMM runs in fp32 (unscaled FP8 products overflow float16).
+
+Work kept off the hot path (all bit-identical to computing every operand afresh): the weight's FP8
+tensor and GEMM input are cached per compute dtype until W's bits change (W^T's are views of W's when
+the granularity is symmetric); an operand quantized rowwise and columnwise is converted to float32
+once; a forward under no_grad (rollout, old log-probs, shadow passes) or with a frozen weight skips
+x's columnwise quantization, which only wgrad reads; and with a symmetric granularity (tensorwise)
+wgrad reads the forward's GEMM input of x, transposed, instead of widening the FP8 copy again.
 """
 
 from __future__ import annotations
@@ -76,17 +83,15 @@ class _WeightCache:
         # id(weight) -> (weakref to weight, snapshot of its values, {key: quantized weight})
         self._entries: dict[int, tuple[weakref.ref, torch.Tensor, dict[tuple, Fp8Tensor]]] = {}
 
-    def get(self, weight: torch.Tensor, key: tuple, make) -> Fp8Tensor:
+    def values(self, weight: torch.Tensor) -> dict:
+        """The values cached for `weight` (key -> value), emptied first if its bits changed (one compare)."""
         entry = self._entries.get(id(weight))
         if entry is None or entry[0]() is not weight or not _bitwise_equal(entry[1], weight):
             slot = id(weight)
             ref = weakref.ref(weight, lambda _ref, s=slot: self._entries.pop(s, None))
             entry = (ref, weight.detach().clone(), {})
             self._entries[slot] = entry
-        values = entry[2]
-        if key not in values:
-            values[key] = make()
-        return values[key]
+        return entry[2]
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -118,85 +123,158 @@ def _quantize_operand(
     return quantize(t, fmt, granularity, recipe.uses_pow2_scales, amax=scaling_amax)
 
 
+def gemm_input(q: Fp8Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """The matrix the emulated GEMM multiplies for operand `q` (exact in its dtype).
+
+    Outer-scaled granularities ("tensor", "row"): the raw FP8 values, whose scales go on the GEMM's
+    output; in the compute dtype, or float32 for float16 compute (unscaled FP8 products reach 448^2
+    (E4M3) or 57344^2 (E5M2), past float16's 65504; bf16 has float32's range).
+    Block granularities: the dequantized values, in the compute dtype when every scale is a power of
+    two (then exact), else in float32.
+    """
+    if q.granularity in _OUTER_SCALED:
+        raw_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
+        return fp8_to_float(q.data, raw_dtype, check_nonfinite=q.may_have_nonfinite)
+    return _dequantized_input(q, compute_dtype)
+
+
+def _dequantized_input(q: Fp8Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    return q.dequantize(compute_dtype if _is_pow2(q.scale) else torch.float32)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, qa: Fp8Tensor, qb: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b^T`` from two `gemm_input`s, outer scales applied in float32, rounded once to `out_dtype`."""
+    if a.dtype != b.dtype:  # one block operand with scales that are not all powers of two
+        a, b = a.float(), b.float()
+    out = a @ b.t()
+    if qa.granularity not in _OUTER_SCALED:
+        return out.to(out_dtype)
+    out = out.float()  # (a mixed-dtype multiply instead is ~40x slower on CPU)
+    if qa.scale.dim() == 0 and qb.scale.dim() == 0:
+        return out.mul_(qa.scale * qb.scale).to(out_dtype)
+    scale_a = qa.scale if qa.scale.dim() == 0 else qa.scale.reshape(-1, 1)
+    scale_b = qb.scale if qb.scale.dim() == 0 else qb.scale.reshape(1, -1)
+    return out.mul_(scale_a).mul_(scale_b).to(out_dtype)
+
+
 def fp8_gemm(qa: Fp8Tensor, qb: Fp8Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     """``A @ B^T`` from two quantized operands laid out (rows, reduction); returns fp32 (M, N)."""
     if qa.granularity in _OUTER_SCALED and qb.granularity in _OUTER_SCALED:
-        # Unscaled FP8 products reach 448^2 (E4M3) or 57344^2 (E5M2): past float16's 65504, so a
-        # float16 compute dtype runs this GEMM in float32 (bf16 has float32's range).
-        raw_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
-        raw_a = fp8_to_float(qa.data, raw_dtype, check_nonfinite=qa.may_have_nonfinite)
-        raw_b = fp8_to_float(qb.data, raw_dtype, check_nonfinite=qb.may_have_nonfinite)
-        out = (raw_a @ raw_b.t()).float()
-        if qa.scale.dim() == 0 and qb.scale.dim() == 0:
-            return out.mul_(qa.scale * qb.scale)
-        scale_a = qa.scale if qa.scale.dim() == 0 else qa.scale.reshape(-1, 1)
-        scale_b = qb.scale if qb.scale.dim() == 0 else qb.scale.reshape(1, -1)
-        return out.mul_(scale_a).mul_(scale_b)
-    exact_in_compute = _is_pow2(qa.scale) and _is_pow2(qb.scale)
-    dtype = compute_dtype if exact_in_compute else torch.float32
-    return (qa.dequantize(dtype) @ qb.dequantize(dtype).t()).float()
+        return _gemm(gemm_input(qa, compute_dtype), gemm_input(qb, compute_dtype), qa, qb, torch.float32)
+    a, b = _dequantized_input(qa, compute_dtype), _dequantized_input(qb, compute_dtype)
+    if a.dtype != b.dtype:
+        a, b = a.float(), b.float()
+    return (a @ b.t()).float()
+
+
+def _as_float32(t: torch.Tensor) -> torch.Tensor:
+    """One float32 copy of a GEMM operand that is quantized twice (rowwise and columnwise), exact for bf16/fp16."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _is_symmetric(granularity: str, q: Fp8Tensor, fmt: str) -> bool:
+    """True when quantizing t^T gives the transpose of `q` (the same blocks and format)."""
+    return TRANSPOSED[granularity] == granularity and q.fmt == fmt
 
 
 def _quantize_transposed(t: torch.Tensor, q: Fp8Tensor, granularity: str, fmt: str, recipe: Fp8Recipe) -> Fp8Tensor:
     """Quantize t^T along t's rows (the other GEMM usage); reuses `q` when the blocks are symmetric."""
-    if TRANSPOSED[granularity] == granularity and q.fmt == fmt:
+    if _is_symmetric(granularity, q, fmt):
         return q.t()
     return quantize(t, fmt, TRANSPOSED[granularity], recipe.uses_pow2_scales).t()
 
 
+def _transposed_operand(
+    t: torch.Tensor, q: Fp8Tensor, q_input: torch.Tensor, granularity: str, fmt: str, recipe: Fp8Recipe
+) -> tuple[Fp8Tensor, torch.Tensor | None]:
+    """(t^T quantized, its GEMM input or None to widen at use); a symmetric granularity reuses both."""
+    if _is_symmetric(granularity, q, fmt):
+        return q.t(), q_input.t()
+    return _quantize_transposed(t, q, granularity, fmt, recipe), None
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias, recipe: Fp8Recipe, state, compute_dtype, out_dtype):
+    def forward(ctx, x2d, weight, bias, recipe: Fp8Recipe, state, compute_dtype, out_dtype, wgrad_possible):
+        x_dtype = x2d.dtype
         with torch.autocast(x2d.device.type, enabled=False):
             act = recipe.activation_granularity
+            x2d = _as_float32(x2d)
             qx = _quantize_operand(x2d, act, recipe.forward_format, recipe, state, "x")
-            qw = _cached_weight(weight, recipe, transposed=False, state=state)
-            y = fp8_gemm(qx, qw, compute_dtype)
+            x_input = gemm_input(qx, compute_dtype)
+            qw, w_input = _weight_operand(weight, recipe, transposed=False, state=state, compute_dtype=compute_dtype)
+            y = _gemm(x_input, w_input, qx, qw, out_dtype if bias is None else torch.float32)
             if bias is not None:
-                y = y + bias.float()
-            # Like TE, keep only the columnwise FP8 copy of x that wgrad needs, not x itself.
-            qxt = _quantize_transposed(x2d, qx, act, recipe.forward_format, recipe)
+                y = (y + bias.float()).to(out_dtype)
+            # Like TE, keep for wgrad only x's columnwise FP8 copy, not x itself: its GEMM input when
+            # the transpose reuses the rowwise quantization (tensorwise: the same FP8 values, held in
+            # the compute dtype, which is exact), else the FP8 tensor, widened in backward. Forward-only
+            # passes (no_grad, frozen weight) skip it.
+            needs_wgrad = wgrad_possible and weight.requires_grad
+            ctx.xt = _transposed_operand(x2d, qx, x_input, act, recipe.forward_format, recipe) if needs_wgrad else None
         ctx.save_for_backward(weight)
-        ctx.qxt, ctx.x_dtype = qxt, x2d.dtype
+        ctx.x_dtype = x_dtype
         # Delayed scaling quantizes W once per step with the history's scale; dgrad must use that
         # same FP8 weight (tensorwise: its transpose), as TE does, not a current-scaled requantization.
-        ctx.qw_delayed = qw if recipe.scaling == "delayed" and state is not None else None
-        ctx.recipe, ctx.state, ctx.compute_dtype, ctx.has_bias = recipe, state, compute_dtype, bias is not None
-        return y.to(out_dtype)
+        delayed = recipe.scaling == "delayed" and state is not None
+        ctx.w_delayed = (qw.t(), w_input.t()) if delayed else None
+        ctx.recipe, ctx.state, ctx.compute_dtype = recipe, state, compute_dtype
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         (weight,) = ctx.saved_tensors
         recipe, state, compute_dtype = ctx.recipe, ctx.state, ctx.compute_dtype
         with torch.autocast(dy.device.type, enabled=False):
-            grad = recipe.gradient_granularity
-            qdy = _quantize_operand(dy, grad, recipe.backward_format, recipe, state, "dy")
-            if ctx.qw_delayed is not None:
-                qwt = ctx.qw_delayed.t()
-            else:
-                qwt = _cached_weight(weight, recipe, transposed=True, state=None)
-            dx = fp8_gemm(qdy, qwt, compute_dtype).to(ctx.x_dtype)
-            qdyt = _quantize_transposed(dy, qdy, grad, recipe.backward_format, recipe)
-            dw = fp8_gemm(qdyt, ctx.qxt, compute_dtype).to(weight.dtype)
-            db = dy.float().sum(0).to(weight.dtype) if ctx.has_bias else None
-        ctx.qxt = ctx.qw_delayed = None
-        return dx, dw, db, None, None, None, None
+            grad, fmt = recipe.gradient_granularity, recipe.backward_format
+            dy = _as_float32(dy)
+            qdy = _quantize_operand(dy, grad, fmt, recipe, state, "dy")
+            dy_input = gemm_input(qdy, compute_dtype)
+            dx = dw = None
+            if ctx.needs_input_grad[0]:
+                if ctx.w_delayed is not None:
+                    qwt, wt_input = ctx.w_delayed
+                else:
+                    qwt, wt_input = _weight_operand(weight, recipe, True, None, compute_dtype)
+                dx = _gemm(dy_input, wt_input, qdy, qwt, ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                qdyt, dyt_input = _transposed_operand(dy, qdy, dy_input, grad, fmt, recipe)
+                qxt, xt_input = ctx.xt
+                dyt_input = gemm_input(qdyt, compute_dtype) if dyt_input is None else dyt_input
+                xt_input = gemm_input(qxt, compute_dtype) if xt_input is None else xt_input
+                dw = _gemm(dyt_input, xt_input, qdyt, qxt, weight.dtype)
+            db = dy.float().sum(0).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        ctx.xt = ctx.w_delayed = None
+        return dx, dw, db, None, None, None, None, None
 
 
-def _cached_weight(weight: torch.Tensor, recipe: Fp8Recipe, transposed: bool, state) -> Fp8Tensor:
-    """Quantize W (N, K) for fprop or W^T (K, N) for dgrad; cached until the weight changes."""
+def _weight_operand(
+    weight: torch.Tensor, recipe: Fp8Recipe, transposed: bool, state, compute_dtype: torch.dtype
+) -> tuple[Fp8Tensor, torch.Tensor]:
+    """W (N, K) for fprop or W^T (K, N) for dgrad: quantized and as GEMM input, cached until W changes."""
     granularity, fmt = recipe.weight_granularity, recipe.forward_format
     if recipe.scaling == "delayed" and state is not None:
-        return _quantize_operand(weight.detach(), granularity, fmt, recipe, state, "w")
-    key = (granularity, fmt, recipe.uses_pow2_scales, recipe.scaling, transposed)
-
-    def make() -> Fp8Tensor:
-        if not transposed:
-            return quantize(weight.detach(), fmt, granularity, recipe.uses_pow2_scales)
-        rowwise = _cached_weight(weight, recipe, transposed=False, state=None)
-        return _quantize_transposed(weight.detach(), rowwise, granularity, fmt, recipe)
-
-    return _WEIGHT_CACHE.get(weight, key, make)
+        qw = _quantize_operand(weight.detach(), granularity, fmt, recipe, state, "w")
+        return qw, gemm_input(qw, compute_dtype)
+    cached = _WEIGHT_CACHE.values(weight)  # one bitwise check of W per call
+    key = (granularity, fmt, recipe.uses_pow2_scales)
+    if (key, False) not in cached:
+        qw = quantize(weight.detach(), fmt, granularity, recipe.uses_pow2_scales)
+        cached[key, False] = qw
+        cached[key, False, compute_dtype] = gemm_input(qw, compute_dtype)
+    if (key, False, compute_dtype) not in cached:
+        cached[key, False, compute_dtype] = gemm_input(cached[key, False], compute_dtype)
+    if not transposed:
+        return cached[key, False], cached[key, False, compute_dtype]
+    if (key, True, compute_dtype) not in cached:
+        qw = cached[key, False]
+        if _is_symmetric(granularity, qw, fmt):  # W^T: views of W's FP8 tensor and GEMM input
+            cached[key, True] = qw.t()
+            cached[key, True, compute_dtype] = cached[key, False, compute_dtype].t()
+        else:
+            cached[key, True] = _quantize_transposed(weight.detach(), qw, granularity, fmt, recipe)
+            cached[key, True, compute_dtype] = gemm_input(cached[key, True], compute_dtype)
+    return cached[key, True], cached[key, True, compute_dtype]
 
 
 def fp8_linear(
@@ -227,5 +305,6 @@ def fp8_linear(
     out_dtype = compute_dtype
     lead_shape = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    y = _Fp8LinearFunction.apply(x2d, weight, bias, recipe, state, compute_dtype, out_dtype)
+    wgrad_possible = torch.is_grad_enabled()
+    y = _Fp8LinearFunction.apply(x2d, weight, bias, recipe, state, compute_dtype, out_dtype, wgrad_possible)
     return y.reshape(*lead_shape, weight.shape[0])

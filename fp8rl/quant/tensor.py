@@ -18,6 +18,7 @@ from fp8rl.quant.granularity import POW2_ONLY, TRANSPOSED, block_shape, check_gr
 NONFINITE_MODES = ("raise", "propagate")
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 SMALLEST_FP32_SUBNORMAL = 2.0**-149
+SMALLEST_FP32_NORMAL = 2.0**-126
 
 
 @dataclass
@@ -43,8 +44,10 @@ class Fp8Tensor:
         """``data * scale`` blockwise, computed in float32 and returned in `dtype` (default: input dtype)."""
         dtype = dtype or self.orig_dtype
         compute = torch.bfloat16 if dtype == torch.bfloat16 and _is_pow2(self.scale) else torch.float32
-        values = as_2d(fp8_to_float(self.data, compute, check_nonfinite=self.may_have_nonfinite))
-        out = apply_block_scale(values, self.scale.to(compute), self.granularity, torch.mul)
+        out = _dequantize_by_bit_placement(self, compute)
+        if out is None:
+            values = as_2d(fp8_to_float(self.data, compute, check_nonfinite=self.may_have_nonfinite))
+            out = apply_block_scale(values, self.scale.to(compute), self.granularity, torch.mul)
         return out.reshape(self.data.shape).to(dtype)
 
     def t(self) -> Fp8Tensor:
@@ -101,6 +104,25 @@ def fp8_to_float(data: torch.Tensor, dtype: torch.dtype = torch.float32, check_n
     return out if out.dtype == dtype else out.to(dtype)
 
 
+def _dequantize_by_bit_placement(q: Fp8Tensor, compute: torch.dtype) -> torch.Tensor | None:
+    """``data * scale`` as (bit-placed data) * (scale * 2^k): one multiply pass instead of two.
+
+    Bit placement gives ``value * 2^-k`` exactly; ``scale * 2^k`` is exact while finite, so the
+    product is the same real number as ``value * scale`` and rounds the same way. None (use the
+    two-step path) where that does not hold: NaN/Inf codes, huge scales, flush-to-zero mode.
+    """
+    key = (q.data.dtype, compute)
+    if q.may_have_nonfinite or key not in _WIDEN or (q.data.device.type == "cpu" and _cpu_flushes_denormals()):
+        return None
+    int_dtype, shift, mask, exponent_fix = _WIDEN[key]
+    factor = q.scale.float() * 2.0**exponent_fix
+    if not bool(torch.isfinite(factor).all()):
+        return None
+    bits = q.data.view(torch.int8)
+    placed = bits.to(int_dtype).bitwise_left_shift_(shift).bitwise_and_(mask).view(compute)
+    return apply_block_scale(as_2d(placed), factor.to(compute), q.granularity, torch.mul)
+
+
 def _cpu_flushes_denormals() -> bool:
     """True while `torch.set_flush_denormal(True)` is in effect on this thread (torch has no getter)."""
     return torch.tensor(SMALLEST_FP32_SUBNORMAL * 2.0**10).mul_(0.5).item() == 0.0
@@ -147,7 +169,8 @@ def block_amax(x2d: torch.Tensor, granularity: str) -> torch.Tensor:
     if x2d.numel() == 0:
         return torch.zeros(scale_shape(granularity, *x2d.shape), dtype=torch.float32, device=x2d.device)
     if granularity == "tensor":
-        return torch.maximum(x2d.amax(), -x2d.amin()).float()
+        low, high = torch.aminmax(x2d)  # one pass for both extremes (per-row aminmax is slow on CPU)
+        return torch.maximum(high, -low).float()
     if granularity == "row":
         return torch.maximum(x2d.amax(dim=1, keepdim=True), -x2d.amin(dim=1, keepdim=True)).float()
     if granularity == "col":
@@ -221,10 +244,24 @@ def _check_finite(amax: torch.Tensor, nonfinite: str, all_finite: torch.Tensor |
         )
 
 
-def _scale_and_cast(x2d: torch.Tensor, scale: torch.Tensor, granularity: str, fp8: Fp8Format) -> torch.Tensor:
-    """Divide by the block scales, saturate to +-fmt_max, round to nearest even in the FP8 dtype."""
+def _scale_and_cast(
+    x2d: torch.Tensor, scale: torch.Tensor, granularity: str, fp8: Fp8Format, saturate: bool = True
+) -> torch.Tensor:
+    """Divide by the block scales in float32, saturate to +-fmt_max, round to nearest even in the FP8 dtype.
+
+    `saturate=False` is for scales computed from this tensor's own block amax that are all normal
+    float32 numbers: then every quotient is at most ``amax / fl(amax / fmt_max) <= fmt_max * (1 + 2^-23)``,
+    which rounds to fmt_max (E4M3: the next code, 480, is NaN's encoding and is reached only from 464
+    up; E5M2: inf from 61440 up), so the clamp would change no value and its pass is skipped. A
+    subnormal scale has a larger rounding error, so it always saturates.
+    """
+    if not saturate and not bool((scale >= SMALLEST_FP32_NORMAL).all()):
+        saturate = True
+    # Convert first: a mixed-dtype division (bf16 x, float32 scale) is ~40x slower on CPU than both passes.
     scaled = apply_block_scale(x2d.float(), scale, granularity, torch.div)
-    return scaled.clamp_(-fp8.max, fp8.max).to(fp8.dtype)
+    if saturate:
+        scaled = scaled.clamp_(-fp8.max, fp8.max)
+    return scaled.to(fp8.dtype)
 
 
 def quantize(
@@ -269,6 +306,10 @@ def quantize(
         amax, all_finite, scale, data = _quantize_compiled(x2d, fp8, granularity, pow2_scale or e8m0, e8m0)
         _check_finite(amax, nonfinite, all_finite)
     else:
+        # Reductions and divisions run on a float32 copy (exact for bf16/fp16; CPU reductions over
+        # bf16 are several times slower than the conversion plus float32 reductions).
+        x2d = x2d.float()
+        given_amax = amax is not None
         if amax is None:
             amax = block_amax(x2d, granularity)
             _check_finite(amax, nonfinite)
@@ -279,7 +320,7 @@ def quantize(
             if nonfinite == "raise":
                 _check_finite(block_amax(x2d, "tensor"), nonfinite)
         scale = scale_from_amax(amax, fp8, pow2_scale or e8m0, e8m0=e8m0)
-        data = _scale_and_cast(x2d, scale, granularity, fp8)
+        data = _scale_and_cast(x2d, scale, granularity, fp8, saturate=given_amax)
     if finite_mask is not None:
         data = torch.where(finite_mask, data.float(), torch.full_like(x2d, float("nan"), dtype=torch.float32))
         data = data.to(fp8.dtype)

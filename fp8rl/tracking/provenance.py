@@ -9,6 +9,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from fp8rl.malloc import malloc_state
+
 TRACKED_PACKAGES = (
     "torch",
     "megatron-core",
@@ -56,6 +58,7 @@ def machine_info() -> dict[str, str]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": str(os.cpu_count()),
+        "malloc": malloc_state(),
     }
     try:
         import torch

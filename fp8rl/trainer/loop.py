@@ -21,6 +21,7 @@ import torch
 
 from fp8rl import algos
 from fp8rl.config import RunConfig, validate
+from fp8rl.malloc import keep_freed_memory
 from fp8rl.models.config import get_model_config, with_tokenizer_vocab
 from fp8rl.models.generate import SamplingConfig
 from fp8rl.models.gpt import fp8_switchable_linears
@@ -88,6 +89,8 @@ class RLTrainer:
         self.cfg = validate(cfg, cuda_available=torch.cuda.is_available())
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
+        if cfg.trainer.keep_freed_memory:
+            keep_freed_memory()
         self.tracker: Tracker = tracker or NullTracker()
         self.task_cfg = task_config(
             cfg.task.name,

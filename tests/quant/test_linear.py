@@ -407,7 +407,7 @@ UPDATES = {
 
 
 @pytest.mark.parametrize("update", sorted(UPDATES))
-@pytest.mark.parametrize("name", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("name", RECIPES)
 def test_weight_cache_sees_every_in_place_update(update, name):
     x, w0, _, dy = inputs(seed=13)
     w = torch.nn.Parameter(w0.clone())
@@ -439,6 +439,61 @@ def test_weight_cache_reuses_an_unchanged_weight(monkeypatch):
     monkeypatch.setattr(linear_module, "quantize", spy)
     fp8_linear(x, w, None, "rowwise")
     assert (N, K) not in calls and (M, K) in calls
+
+
+def _quantize_spy(monkeypatch) -> list[tuple]:
+    calls: list[tuple] = []
+
+    def spy(t, fmt, granularity, *args, **kwargs):
+        calls.append((tuple(t.shape), granularity))
+        return quantize(t, fmt, granularity, *args, **kwargs)
+
+    monkeypatch.setattr(linear_module, "quantize", spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_forward_only_pass_gives_the_training_forward_without_the_columnwise_copy(name, monkeypatch):
+    """Under no_grad (rollout, old log-probs, shadow passes) x's columnwise quantization for wgrad is skipped."""
+    x, w, b, _ = inputs(seed=15)
+    w = torch.nn.Parameter(w.clone())
+    fp8_linear(x, w, b, name)  # quantize and cache the weight first
+    calls = _quantize_spy(monkeypatch)
+    y_train = fp8_linear(x, w, b, name)
+    train_calls = list(calls)
+    calls.clear()
+    with torch.no_grad():
+        y_eval = fp8_linear(x, w, b, name)
+    assert torch.equal(y_eval, y_train.detach())
+    act = get_recipe(name).activation_granularity
+    assert calls == [((M, K), act)]
+    if TRANSPOSED[act] != act:  # the training forward also quantized x columnwise
+        assert ((M, K), TRANSPOSED[act]) in train_calls
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_frozen_weight_gets_no_wgrad_and_the_same_dgrad(name):
+    x, w, _, dy = inputs(seed=16)
+    _, dx_full, _, _ = run_linear(x, w, None, dy, name)
+    x_leaf = x.clone().requires_grad_()
+    frozen = w.clone()  # requires_grad False
+    fp8_linear(x_leaf, frozen, None, name).backward(dy)
+    assert frozen.grad is None
+    assert torch.equal(x_leaf.grad, dx_full)
+
+
+def test_tensorwise_dgrad_reads_the_forward_weight_input_transposed():
+    """W^T's GEMM input is a view of W's (the same FP8 values): no second widening of the weight."""
+    x, w, _, dy = inputs(seed=17)
+    w = torch.nn.Parameter(w.clone())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8_linear(x.requires_grad_(), w, None, "tensorwise")
+    y.float().backward(dy)
+    inputs_by_key = {k: v for k, v in linear_module._WEIGHT_CACHE.values(w).items() if len(k) == 3}
+    forward = next(v for k, v in inputs_by_key.items() if not k[1])
+    transposed = next(v for k, v in inputs_by_key.items() if k[1])
+    assert forward.dtype == torch.bfloat16 and transposed.data_ptr() == forward.data_ptr()
+    assert torch.equal(transposed, forward.t())
 
 
 def test_fake_quantize_reference_helper_matches_quantize():

@@ -226,3 +226,34 @@ def test_quantize_matches_the_reference_on_generated_shapes(fmt, granularity, po
     codes, scales = ref_quantize(x, fmt, granularity, pow2)
     assert np.array_equal(q.scale.numpy(), scales)
     assert np.array_equal(codes_of(q), codes)
+
+
+def ref_dequantize(codes: np.ndarray, scales: np.ndarray, fmt: str, granularity: str) -> np.ndarray:
+    """``decode(code) * scale`` per element in float64, rounded once to float32 (the exact product)."""
+    ref_fmt = REF_FORMATS[fmt]
+    values = np.vectorize(lambda c: decode(int(c), ref_fmt))(codes).astype(np.float64)
+    block_rows, block_cols = REF_BLOCKS[granularity]
+    rows, cols = codes.shape
+    block_rows, block_cols = block_rows or rows, block_cols or cols
+    per_element = np.repeat(np.repeat(scales.reshape(-(-rows // block_rows), -1), block_rows, 0), block_cols, 1)
+    return (values * per_element[:rows, :cols].astype(np.float64)).astype(np.float32)
+
+
+@pytest.mark.parametrize("huge", [False, True])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block_1x128", "mx_1x32"])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequantize_matches_the_reference_for_tiny_ordinary_and_huge_scales(fmt, granularity, huge):
+    """Dequantization multiplies bit-placed codes by ``scale * 2^k`` when that is finite for every
+    block (ordinary and tiny scales), else (a scale near 2^119) multiplies twice: both must give
+    ``decode(code) * scale`` rounded once."""
+    x = np.zeros((4, 160), dtype=np.float32)
+    x[0, :32] = np.float32(1e-44) * np.arange(1, 33)  # subnormal amax: subnormal or E8M0-clamped scales
+    x[1] = np.linspace(-1, 1, 160)
+    x[2, :32] = np.float32(1e-40)
+    x[3] = np.float32(1e5) * np.linspace(-1, 1, 160)  # scale >= 2^8
+    if huge:
+        x[0, 32:] = np.float32(3e38)  # scale ~ 2^119: scale * 2^120 overflows
+    for pow2 in (False, True):
+        q = quantize(torch.from_numpy(x), fmt, granularity, pow2)
+        expected = ref_dequantize(codes_of(q), q.scale.numpy(), fmt, granularity)
+        assert np.array_equal(q.dequantize(torch.float32).numpy(), expected), (fmt, granularity, pow2)
