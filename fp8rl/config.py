@@ -60,7 +60,7 @@ class PrecisionConfig:
     fmt: str = "e4m3"  # "e4m3" everywhere or "hybrid" (E5M2 gradients)
     scaling: str = "current"  # tensorwise only: "current" or "delayed"
     backend: str = "emulated"  # "emulated" (fp8rl.quant, any device) or "te" (Transformer Engine, GPU)
-    fp8_kv_cache: bool = False  # FP8 KV cache in the rollout (vLLM engine only)
+    fp8_kv_cache: bool = False  # FP8 (E4M3, unit-scale) KV cache in the rollout; built-in engine: emulated
 
 
 @dataclass
@@ -254,8 +254,6 @@ def validate(cfg: RunConfig, cuda_available: bool = False) -> RunConfig:
         raise ConfigError("need 0 < clipping.mis_low < 1 < clipping.mis_high")
     if p.mode == "bf16" and cfg.precision.fp8_kv_cache:
         raise ConfigError("precision.fp8_kv_cache=true needs an FP8 precision.mode (fp8_rollout or fp8_full)")
-    if p.fp8_kv_cache and r.engine != "vllm":
-        raise ConfigError("precision.fp8_kv_cache is implemented by the vLLM engine only: set rollout.engine=vllm")
     if r.engine == "vllm":
         from fp8rl.rollout.vllm_engine import VllmSupportError, check_vllm_support
 

@@ -1,7 +1,8 @@
 """The built-in rollout engine: the trainer's own Megatron model, KV-cached sampling, any precision.
 
 It shares the trainer's weights, so `sync_weights` costs nothing; its precision (BF16 or an emulated
-FP8 recipe) is set per call, independently of the trainer's.
+FP8 recipe, optionally an FP8 KV cache: `fp8rl.models.kv_cache`) is set per call, independently of
+the trainer's.
 """
 
 from __future__ import annotations
@@ -10,26 +11,35 @@ import torch
 
 from fp8rl.models.generate import SamplingConfig, generate
 from fp8rl.models.gpt import compute_precision, fp8_autocast
+from fp8rl.models.kv_cache import fp8_kv_cache
 from fp8rl.models.logprobs import left_pad
 from fp8rl.rollout.base import RolloutBatch
 
 
 class BuiltinEngine:
-    """Samples from `model` with the FP8 `recipe` (None = BF16) on its block linears."""
+    """Samples from `model` with the FP8 `recipe` (None = BF16) on its block linears, and an FP8 KV cache if asked."""
 
     name = "builtin"
 
-    def __init__(self, model: torch.nn.Module, recipe, pad_id: int, compute: str = "bf16") -> None:
+    def __init__(
+        self, model: torch.nn.Module, recipe, pad_id: int, compute: str = "bf16", fp8_kv_cache: bool = False
+    ) -> None:
         self.model = model
         self.recipe = recipe
         self.pad_id = pad_id
         self.compute = compute
+        self.fp8_kv_cache = fp8_kv_cache
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, generator: torch.Generator | None
     ) -> RolloutBatch:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
-        with torch.no_grad(), compute_precision(self.compute), fp8_autocast(self.model, self.recipe):
+        with (
+            torch.no_grad(),
+            compute_precision(self.compute),
+            fp8_autocast(self.model, self.recipe),
+            fp8_kv_cache(self.model, self.fp8_kv_cache),
+        ):
             out = generate(self.model, prompt_ids, prompt_mask, sampling, generator)
         return RolloutBatch(
             prompt_ids=prompt_ids,

@@ -143,7 +143,8 @@ class RLTrainer:
     def _rollout_engine(self):
         cfg = self.cfg
         if cfg.rollout.engine != "vllm":
-            return BuiltinEngine(self.model, self.plan.rollout_recipe, self.task.tokenizer.pad_id)
+            pad_id, fp8_kv_cache = self.task.tokenizer.pad_id, cfg.precision.fp8_kv_cache
+            return BuiltinEngine(self.model, self.plan.rollout_recipe, pad_id, fp8_kv_cache=fp8_kv_cache)
         from fp8rl.rollout.vllm_engine import VllmEngine
 
         return VllmEngine(

@@ -55,6 +55,18 @@ def test_a_step_runs_in_every_precision_mode_and_recipe(small_cfg: RunConfig, mo
         assert 1.0 <= mismatch < 1.05
 
 
+def test_a_builtin_fp8_kv_cache_is_the_only_rollout_train_mismatch_of_a_rowwise_run(small_cfg: RunConfig) -> None:
+    """Rowwise FP8 in rollout and trainer alike gives identical log-probs (above); the rollout's FP8 KV
+    cache (the trainer has none) is then the only source of a mismatch."""
+    small_cfg.precision.mode, small_cfg.precision.recipe = "fp8_full", "rowwise"
+    small_cfg.precision.fp8_kv_cache = True
+    small_cfg.trainer.steps = 1
+    tracker = NullTracker()
+    assert run(small_cfg, tracker=tracker).steps_done == 1
+    step_metrics = [m for step, m in tracker.history if step == 1][0]
+    assert 1.0 < step_metrics["rollout/token_mult_prob_error"] < 1.05
+
+
 def test_fp8_logprobs_differ_from_bf16_within_the_recipes_range(small_cfg: RunConfig) -> None:
     trainer = RLTrainer(small_cfg)
     _, batch = trainer.rollout(0)

@@ -1,0 +1,58 @@
+"""The emulated FP8 KV cache (fp8rl.models.kv_cache) on megatron's static inference context."""
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+
+from fp8rl.models.generate import SamplingConfig, generate
+from fp8rl.models.gpt import compute_precision
+from fp8rl.models.kv_cache import fp8_kv_cache, round_to_kv_cache
+from fp8rl.models.logprobs import causal_padding_mask, left_pad
+
+EOS, PAD = 2, 0
+PROMPTS = [[1, 5, 6, 14, 7], [1, 9], [1, 8, 8, 16, 4, 5, 17]]
+
+
+def e4m3_representable(t: torch.Tensor) -> bool:
+    return torch.equal(t.float().to(torch.float8_e4m3fn).float(), t.float())
+
+
+def prefill_cache(model, rounded: bool) -> dict:
+    prompt_ids, prompt_mask = left_pad(PROMPTS, pad_id=PAD)
+    ctx = StaticInferenceContext(max_batch_size=3, max_sequence_length=prompt_ids.size(1))
+    model.eval()
+    with torch.no_grad(), compute_precision("bf16"), fp8_kv_cache(model, rounded):
+        model(prompt_ids, None, causal_padding_mask(prompt_mask), inference_context=ctx, runtime_gather_output=True)
+    return ctx.key_value_memory_dict
+
+
+def test_round_to_kv_cache_is_a_unit_scale_saturating_e4m3_cast():
+    t = torch.tensor([0.0, 1.0, 1.0625, -3.3, 1e-3, 500.0, -1e4], dtype=torch.bfloat16)
+    expected = t.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.bfloat16)
+    assert torch.equal(round_to_kv_cache(t), expected)
+    assert round_to_kv_cache(t).dtype == torch.bfloat16
+
+
+def test_cached_keys_and_values_are_e4m3_values_inside_the_block_only(tiny_model):
+    plain = prefill_cache(tiny_model, rounded=False)
+    rounded = prefill_cache(tiny_model, rounded=True)
+    for layer, (key, value) in rounded.items():
+        assert e4m3_representable(key) and e4m3_representable(value)
+        assert not torch.equal(key, plain[layer][0]) and not torch.equal(value, plain[layer][1])
+    first = min(plain)  # later layers read rounded entries below them, so only the first sees the same inputs
+    assert torch.equal(rounded[first][0], round_to_kv_cache(plain[first][0]))
+    assert torch.equal(rounded[first][1], round_to_kv_cache(plain[first][1]))
+    after = prefill_cache(tiny_model, rounded=False)  # the patch is gone after the block
+    assert all(torch.equal(after[layer][0], plain[layer][0]) for layer in plain)
+
+
+def test_generation_with_an_fp8_kv_cache_stays_close_to_the_bf16_cache(tiny_model):
+    prompt_ids, prompt_mask = left_pad(PROMPTS, pad_id=PAD)
+    cfg = SamplingConfig(max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, temperature=1.0)
+    outs = {}
+    for rounded in (False, True):
+        with compute_precision("bf16"), fp8_kv_cache(tiny_model, rounded):
+            outs[rounded] = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(3))
+    first = outs[False].response_mask[:, 0].bool()
+    diff = (outs[True].logprobs[:, 0] - outs[False].logprobs[:, 0])[first]
+    assert torch.equal(outs[True].tokens[:, 0], outs[False].tokens[:, 0])  # same seed, nearly the same logits
+    assert 0 < float(diff.abs().max()) < 0.1  # the cache's rounding changes log-probs, a little
