@@ -35,6 +35,7 @@ class SamplingConfig:
     pad_token_id: int  # fills a row after its EOS
     temperature: float = 1.0  # 0 = greedy; log-probs then come from softmax(logits)
     top_p: float = 1.0  # nucleus sampling mass; 1 = off
+    vocab_size: int | None = None  # sample among token ids < vocab_size (the tokenizer's); None = every logit row
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -43,6 +44,8 @@ class SamplingConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1 or None, got {self.vocab_size}")
 
 
 @dataclass
@@ -75,11 +78,19 @@ def sample_tokens(logits: Tensor, cfg: SamplingConfig, generator: torch.Generato
 
 
 def _last_token_logits(
-    model: torch.nn.Module, input_ids: Tensor, position_ids: Tensor, mask: Tensor, ctx: StaticInferenceContext
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    mask: Tensor,
+    ctx: StaticInferenceContext,
+    vocab_size: int | None,
 ) -> Tensor:
-    """(b, q) new tokens -> (b, vocab) logits of the last one; their keys/values are appended to ``ctx``."""
+    """(b, q) new tokens -> (b, vocab) logits of the last one; their keys/values are appended to ``ctx``.
+
+    Only the first ``vocab_size`` rows are kept: the embedding's padding rows are never sampled.
+    """
     logits = model(input_ids, position_ids, mask, inference_context=ctx, runtime_gather_output=True)
-    return logits[:, -1]
+    return logits[:, -1, :vocab_size]
 
 
 @torch.no_grad()
@@ -111,7 +122,8 @@ def generate(
     model.eval()
     try:
         prompt_positions = position_ids_from_mask(prompt_mask)
-        logits = _last_token_logits(model, prompt_ids, prompt_positions, causal_padding_mask(prompt_mask), ctx)
+        prompt_attention = causal_padding_mask(prompt_mask)
+        logits = _last_token_logits(model, prompt_ids, prompt_positions, prompt_attention, ctx, cfg.vocab_size)
         ctx.sequence_len_offset = prompt_len
         ctx.enable_decode_mode()
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -128,7 +140,8 @@ def generate(
                 break
             seen = key_mask[:, : prompt_len + step + 1]
             position = seen.sum(dim=1, keepdim=True) - 1
-            logits = _last_token_logits(model, out.tokens[:, step : step + 1], position, decode_step_mask(seen), ctx)
+            new_token = out.tokens[:, step : step + 1]
+            logits = _last_token_logits(model, new_token, position, decode_step_mask(seen), ctx, cfg.vocab_size)
             ctx.sequence_len_offset += 1
     finally:
         model.train(was_training)

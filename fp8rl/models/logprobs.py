@@ -68,19 +68,22 @@ def token_logprobs_and_entropy(
     attention_mask: Tensor,
     response_len: int,
     temperature: float = 1.0,
+    vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob and entropy of the last ``response_len`` tokens of each row.
 
     input_ids, attention_mask: (b, s) in the layout described in the module docstring.
     Returns (logp, entropy), each (b, response_len) fp32; values at response pads are meaningless
     and must be masked by the caller (``attention_mask[:, -response_len:]``).
-    ``temperature`` must match the rollout's so the ratio compares the same distributions.
+    ``temperature`` and ``vocab_size`` (softmax over the first ``vocab_size`` logit rows, the
+    tokenizer's; None = all, padding rows included) must match the rollout's so that the ratio
+    compares the same distributions.
     """
     if not 0 < response_len < input_ids.size(1):
         raise ValueError(f"response_len={response_len} must be in (0, {input_ids.size(1)})")
     logits = forward_logits(model, input_ids, attention_mask)
     # The logit at column t predicts token t + 1.
-    response_logits = logits[:, -response_len - 1 : -1]
+    response_logits = logits[:, -response_len - 1 : -1, :vocab_size]
     return logprobs_and_entropy_from_logits(response_logits, input_ids[:, -response_len:], temperature)
 
 

@@ -118,9 +118,15 @@ class RLTrainer:
             pad_token_id=self.task.tokenizer.pad_id,
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
+            vocab_size=self._sampled_vocab_size(),
         )
         self.step = 0
         self.bad_steps_in_a_row = 0
+
+    def _sampled_vocab_size(self) -> int | None:
+        """The built-in engine samples among the tokenizer's ids, never the embedding's padding rows; the
+        vLLM engine samples every row of the checkpoint it was given (None), and the trainer scores alike."""
+        return None if self.cfg.rollout.engine == "vllm" else self.task.tokenizer.vocab_size
 
     def _policy_and_optimizer(self, weights_path):
         """The policy on its backend: local spec + torch AdamW, or the TE spec + Megatron DDP/optimizer."""
@@ -270,8 +276,9 @@ class RLTrainer:
         model = model or self.model
         context = torch.enable_grad() if grad else torch.no_grad()
         with context, running_in(model, recipe):
+            response_len, sampling = batch.response_ids.shape[1], self.sampling
             return token_logprobs_and_entropy(
-                model, batch.input_ids, batch.attention_mask, batch.response_ids.shape[1], self.sampling.temperature
+                model, batch.input_ids, batch.attention_mask, response_len, sampling.temperature, sampling.vocab_size
             )
 
     def wants_shadow(self, step: int) -> bool:

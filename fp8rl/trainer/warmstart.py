@@ -109,6 +109,7 @@ def greedy_eval(model: torch.nn.Module, task: Task, problems: Sequence[Problem],
         eos_token_id=task.tokenizer.eos_id,
         pad_token_id=task.tokenizer.pad_id,
         temperature=0.0,
+        vocab_size=task.tokenizer.vocab_size,
     )
     rewards: list[float] = []
     reasons: list[str | None] = []

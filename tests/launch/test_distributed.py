@@ -107,11 +107,15 @@ def test_gpu_choice() -> None:
         cuda_device_index(DistEnv(5, 8, 5, 8, 0, 1, "h", 1, "slurm"), 4)
 
 
-def test_single_process_init_is_a_no_op() -> None:
+def test_single_process_init_is_a_no_op(monkeypatch) -> None:
     import torch.distributed as dist
 
+    def refuse(*args, **kwargs):
+        raise AssertionError("a single process must not create a process group")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    # (not `dist.is_initialized()`: the trainer's tests create megatron's one-process group in this process)
     init_distributed(SINGLE_PROCESS)
-    assert not dist.is_initialized()
 
 
 def _rank_main(rank: int, port: int, queue) -> None:  # noqa: ANN001 - multiprocessing queue
@@ -147,7 +151,7 @@ def test_two_slurm_tasks_form_a_gloo_group_on_cpu() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # fork would copy the threads (OpenMP, tracking) earlier tests started
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(rank, port, queue)) for rank in range(2)]
     for p in procs:

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
@@ -77,6 +79,29 @@ def test_sampled_logprobs_match_the_trainer_recompute(tiny_model):
     torch.testing.assert_close(out.entropy[valid], entropy[valid], atol=1e-5, rtol=0)
 
 
+def test_a_vocab_limit_keeps_padding_rows_out_of_samples_and_log_probs(tiny_model, tiny_cfg):
+    """The embedding has padding rows past the tokenizer's ids (18 of 64 here): never sampled with the
+    limit, and the trainer's recompute with the same limit scores the same distribution."""
+    vocab = 18
+    assert tiny_cfg.vocab_size > vocab
+    prompt_ids, prompt_mask = left_pad(PROMPTS * 4, pad_id=PAD)
+    outs = {}
+    for limit in (None, vocab):
+        cfg = SamplingConfig(max_new_tokens=7, eos_token_id=EOS, pad_token_id=PAD, temperature=0.8, vocab_size=limit)
+        outs[limit] = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(1))
+    assert bool((outs[None].tokens >= vocab).any())  # a random-init model puts most mass on padding rows
+    out = outs[vocab]
+    assert bool((out.tokens < vocab).all())
+    input_ids = torch.cat([prompt_ids, out.tokens], 1)
+    attention_mask = torch.cat([prompt_mask, out.response_mask], 1)
+    with torch.no_grad():
+        logp, entropy = token_logprobs_and_entropy(tiny_model, input_ids, attention_mask, 7, 0.8, vocab_size=vocab)
+    valid = out.response_mask.bool()
+    torch.testing.assert_close(out.logprobs[valid], logp[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.entropy[valid], entropy[valid], atol=1e-5, rtol=0)
+    assert float(entropy[valid].max()) <= math.log(vocab) + 1e-5
+
+
 class EosBiasedModel(torch.nn.Module):
     """The tiny model with ``bias`` added to the <eos> logit, so rows end at different steps."""
 
@@ -131,7 +156,9 @@ def test_top_p_filter_keeps_the_smallest_covering_set():
     assert torch.equal(top_p_filter(probs, 1.0), probs)
 
 
-@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}])
+@pytest.mark.parametrize(
+    "bad", [{"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"vocab_size": 0}]
+)
 def test_sampling_config_validation(bad):
     fields = {"max_new_tokens": 4, "eos_token_id": EOS, "pad_token_id": PAD, **bad}
     with pytest.raises(ValueError):
