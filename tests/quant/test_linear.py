@@ -496,6 +496,22 @@ def test_tensorwise_dgrad_reads_the_forward_weight_input_transposed():
     assert torch.equal(transposed, forward.t())
 
 
+def test_tensorwise_bf16_output_is_the_float32_scaled_gemm_rounded_once():
+    """The bf16 output scaling is one `torch.mul` by a 0-d float32 scale: it must equal scaling the bf16
+    GEMM output in float32 and rounding once (not a multiply by the scale rounded to bf16)."""
+    from fp8rl.quant.tensor import fp8_to_float
+
+    x, w, _, _ = inputs(seed=18)
+    x = x.bfloat16()
+    qx, qw = quantize(x, "e4m3", "tensor"), quantize(w, "e4m3", "tensor")
+    raw = fp8_to_float(qx.data, torch.bfloat16) @ fp8_to_float(qw.data, torch.bfloat16).t()
+    expected = (raw.float() * (qx.scale * qw.scale)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8_linear(x, w, None, "tensorwise")
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+    assert not torch.equal(y, raw * (qx.scale * qw.scale).bfloat16())  # the scale rounded to bf16 differs
+
+
 def test_fake_quantize_reference_helper_matches_quantize():
     """The references above dequantize with `operand`; it must agree with fake_quantize."""
     x = inputs(seed=15)[0]

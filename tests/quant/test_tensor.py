@@ -362,3 +362,15 @@ def test_compiled_quantize_is_bit_identical_to_eager():
     bad[0, 0] = math.nan
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize(bad, "e4m3", "tensor", compile=True)  # the graph compiled above, no recompilation
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block_1x128", "mx_1x32"])
+def test_quantize_never_writes_to_its_input(granularity, dtype):
+    """The eager path divides its own float32 copy in place; the caller's tensor must stay as it was."""
+    x = llm_like(37, 300, seed=5).to(dtype)
+    before = x.clone()
+    quantize(x, "e4m3", granularity)
+    if granularity == "tensor":
+        quantize(x, "e4m3", granularity, amax=torch.tensor(1.0))  # delayed scaling: saturates
+    assert torch.equal(x, before)
