@@ -34,10 +34,14 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 
 def git_info(cwd: str | Path | None = None) -> dict[str, str]:
-    """{"git_sha": ..., "git_dirty": "true"/"false"} for the checkout holding this package."""
+    """{"git_sha": ..., "git_dirty": "true"/"false"} for the checkout holding this package.
+
+    Dirty means tracked files outside ``results/`` differ from the commit: the suite's own outputs
+    (tables, benchmark JSONs written earlier in the same `make` target) do not make the code dirty.
+    """
     root = Path(cwd) if cwd else Path(__file__).resolve().parents[2]
     sha = _git(["rev-parse", "HEAD"], root)
-    status = _git(["status", "--porcelain", "--untracked-files=no"], root)
+    status = _git(["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results"], root)
     return {"git_sha": sha or "unknown", "git_dirty": "unknown" if status is None else str(bool(status)).lower()}
 
 

@@ -1,0 +1,32 @@
+"""fp8rl.tracking.provenance: git state, versions and machine of a run."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from fp8rl.tracking.provenance import git_info, provenance
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+
+
+def test_outputs_under_results_do_not_make_the_code_dirty(tmp_path: Path) -> None:
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "results" / "bench.json").write_text("{}\n")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    assert git_info(tmp_path)["git_dirty"] == "false"
+    (tmp_path / "results" / "bench.json").write_text('{"new": 1}\n')
+    assert git_info(tmp_path)["git_dirty"] == "false"
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_info(tmp_path)["git_dirty"] == "true"
+
+
+def test_provenance_names_the_allocator_setting() -> None:
+    record = provenance()
+    assert record["machine.malloc"].startswith(("default", "keep-freed"))
+    assert record["git_sha"] != ""
