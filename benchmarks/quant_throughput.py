@@ -17,7 +17,7 @@ float8 primitives, block_size = the block) for the block granularities; both div
 amax-derived scale (float32 scales, also for the 1x32 blocks) and saturate, as fp8rl does.
 
 Usage: python benchmarks/quant_throughput.py [--size 4096] [--rounds 7] [--out results.json] [--thp]
-       [--malloc keep-freed|default]
+       [--malloc default|keep-freed]
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--malloc",
         choices=["keep-freed", "default"],
-        default="keep-freed",
-        help="allocator: keep freed buffers for reuse, as the trainer does (fp8rl/malloc.py), or glibc's defaults, "
-        "under which every fresh output buffer page-faults again",
+        default="default",
+        help="allocator: glibc's defaults (the trainer's default) or keep freed buffers for reuse "
+        "(fp8rl/malloc.py), under which fresh output buffers do not page-fault again",
     )
     parser.add_argument("--out", default=None, help="also write the results and provenance as JSON here")
     return parser.parse_args()

@@ -5,7 +5,7 @@ step by step), as ratios to BF16.
 Targets (issue 4): a full-pipeline FP8 step costs at most 1.5x a BF16 step; Calibrated Clipping at
 K = 20 adds at most 5% to the average step (its two BF16 shadow forwards every K steps).
 
-    .venv/bin/python benchmarks/rl_step.py [--steps 5] [--malloc keep-freed|default] [--out results/bench/rl_step.json]
+    .venv/bin/python benchmarks/rl_step.py [--steps 5] [--malloc default|keep-freed] [--out results/bench/rl_step.json]
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ def main() -> None:
     parser.add_argument(
         "--malloc",
         choices=["keep-freed", "default"],
-        default="keep-freed",
-        help="allocator: fp8rl's default (trainer.keep_freed_memory, see fp8rl/malloc.py) or glibc's defaults",
+        default="default",
+        help="allocator: glibc's defaults (as the trainer runs by default) or keep freed buffers "
+        "(trainer.keep_freed_memory=true, see fp8rl/malloc.py)",
     )
     parser.add_argument("--out", type=str, default=None)
     args = parser.parse_args()

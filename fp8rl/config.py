@@ -155,7 +155,7 @@ class TrainerConfig:
     shadow_every: int = 0  # fp8_full: BF16 shadow diagnostics (over-clip rates) every N steps; 0 = calibration only
     log_ratio_histograms: bool = True  # log BF16-shadow vs FP8 ratio histograms as artifacts
     threads: int = 0  # torch intra-op threads; 0 = torch's default
-    keep_freed_memory: bool = True  # glibc: keep freed buffers for reuse (fp8rl.malloc); speed only
+    keep_freed_memory: bool = False  # glibc: keep freed buffers for reuse (fp8rl.malloc); speed only
 
 
 @dataclass

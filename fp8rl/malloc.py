@@ -3,14 +3,18 @@
 With glibc's defaults, a freed buffer of more than a few MiB goes back to the operating system and
 the next allocation of that size page-faults every 4 KiB page again. The FP8 emulator allocates
 several activation-sized temporaries per GEMM (float32 copy, FP8 codes, widened operands), and on
-this project's 2-core CPU those page faults cost more than the arithmetic: quantizing a (2048, 768)
-bf16 tensor took 7.5 ms with the defaults and 0.8-1.2 ms with freed memory kept. BF16 runs gain too,
-less. Two `mallopt` settings keep freed memory for reuse: a fixed mmap threshold (32 MiB, glibc's
-64-bit maximum: smaller buffers come from the heap) and a 1 GiB trim threshold (the heap is not
-shrunk below that). Peak memory is unchanged; memory freed after the peak stays with the process.
+this project's 2-core CPU those page faults can cost more than the arithmetic: quantizing a
+(2048, 768) bf16 tensor in a loop took 7.5 ms with the defaults and 0.8-1.2 ms with freed memory kept.
+Two `mallopt` settings keep freed memory for reuse: a fixed mmap threshold (32 MiB, glibc's 64-bit
+maximum: smaller buffers come from the heap) and a 1 GiB trim threshold (the heap is not shrunk below
+that). Peak memory is unchanged; memory freed after the peak stays with the process.
 
-Speed only: results are bitwise the same either way. Turned off by the config field
-``trainer.keep_freed_memory=false``; a no-op where glibc's `mallopt` is missing (macOS, musl).
+Off by default: once the emulator stopped allocating most of its temporaries, a whole RL step on the
+tiny preset was not faster with it (BF16 1.07 s vs 1.01 s, FP8 tensorwise 1.41 s vs 1.30 s with glibc's
+defaults, `make bench`); glibc's dynamic mmap threshold already keeps steady-state buffers. Turn it on
+with ``trainer.keep_freed_memory=true`` (or `--malloc keep-freed` in the benchmarks) where a workload
+allocates many short-lived large buffers. Speed only: results are bitwise the same either way; a no-op
+where glibc's `mallopt` is missing (macOS, musl).
 """
 
 from __future__ import annotations
