@@ -10,8 +10,9 @@ maximum: smaller buffers come from the heap) and a 1 GiB trim threshold (the hea
 that). Peak memory is unchanged; memory freed after the peak stays with the process.
 
 Off by default: once the emulator stopped allocating most of its temporaries, a whole RL step on the
-tiny preset was not faster with it (BF16 1.07 s vs 1.01 s, FP8 tensorwise 1.41 s vs 1.30 s with glibc's
-defaults, `make bench`); glibc's dynamic mmap threshold already keeps steady-state buffers. Turn it on
+tiny preset showed no difference beyond run-to-run and order effects (five paired `rl_step.py` runs:
+with it, the step was slower in the four pairs where it ran first and faster in the one where it ran
+second; the FP8 / BF16 ratio was the same within 0.05). Turn it on
 with ``trainer.keep_freed_memory=true`` (or `--malloc keep-freed` in the benchmarks) where a workload
 allocates many short-lived large buffers. Speed only: results are bitwise the same either way; a no-op
 where glibc's `mallopt` is missing (macOS, musl).
