@@ -39,6 +39,7 @@ class AlgoConfig:
     kl_coef: float = 0.0  # weight of the KL penalty to the reference (warm-start) policy; 0 = off
     kl_type: str = "low_var_kl"  # "k1", "k2" or "low_var_kl" (k3)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    resample_rounds: int | None = None  # DAPO: extra rollout rounds that refill the batch with kept groups; None = 0
     overlong_buffer: int = 0  # DAPO overlong shaping buffer length in tokens; 0 = off
     overlong_factor: float = 1.0  # DAPO overlong penalty factor
     group_size: int = 8  # G responses per prompt
@@ -215,6 +216,10 @@ def validate(cfg: RunConfig, cuda_available: bool = False) -> RunConfig:
             f"precision.recipe={p.recipe} is an FP8 scaling recipe but precision.mode=bf16 uses no FP8: drop the "
             "recipe override or choose precision.mode=fp8_rollout or fp8_full"
         )
+    if a.resample_rounds is not None and (a.resample_rounds < 0 or not a.dynamic_sampling):
+        raise ConfigError(
+            f"algo.resample_rounds={a.resample_rounds}: refilling needs algo.dynamic_sampling=true and a count >= 0"
+        )
     if a.group_size < 2:
         raise ConfigError(f"algo.group_size={a.group_size}: group advantages need at least 2 samples per prompt")
     batch = a.prompts_per_step * a.group_size
@@ -318,9 +323,9 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
 
 # Fields that change where or how a run is stored, not what it computes: left out of the config hash.
 _HASH_EXCLUDED = ("tracking", "trainer.out_dir", "trainer.threads", "trainer.keep_freed_memory", "warmstart.cache_dir")
-# Sections added after runs were published: they enter the hash only where set, so that adding them does
-# not change the identity of finished runs (MLflow reuse in `fp8rl sweep`). New sections go here.
-_HASH_ONLY_WHEN_SET = ("parallel",)
+# Sections and fields added after runs were published: they enter the hash only where set (not None), so
+# that adding them does not change the identity of finished runs (MLflow reuse in `fp8rl sweep`).
+_HASH_ONLY_WHEN_SET = ("parallel", "algo.resample_rounds")
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -330,10 +335,12 @@ def config_hash(cfg: RunConfig) -> str:
     """
     flat = flatten(to_dict(cfg))
     kept = {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in _HASH_EXCLUDED)}
-    kept = {
-        k: v for k, v in kept.items() if v is not None or not k.startswith(tuple(f"{s}." for s in _HASH_ONLY_WHEN_SET))
-    }
+    kept = {k: v for k, v in kept.items() if v is not None or not _added_later(k)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _added_later(key: str) -> bool:
+    return any(key == s or key.startswith(s + ".") for s in _HASH_ONLY_WHEN_SET)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

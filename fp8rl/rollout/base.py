@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from fp8rl.models.generate import SamplingConfig
@@ -34,6 +35,29 @@ class RolloutBatch:
     def select(self, rows: slice | Tensor) -> RolloutBatch:
         """A sub-batch (mini-batch) of rows."""
         return RolloutBatch(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+        """The rows of several batches in one: prompts left-padded and responses right-padded to the widest."""
+        prompt_len = max(b.prompt_ids.shape[1] for b in batches)
+        response_len = max(b.response_ids.shape[1] for b in batches)
+
+        def cat(name: str, width: int, value: float, left: bool) -> Tensor:
+            parts = []
+            for b in batches:
+                t = getattr(b, name)
+                missing = width - t.shape[1]
+                parts.append(F.pad(t, (missing, 0) if left else (0, missing), value=value))
+            return torch.cat(parts)
+
+        return RolloutBatch(
+            prompt_ids=cat("prompt_ids", prompt_len, pad_id, left=True),
+            prompt_mask=cat("prompt_mask", prompt_len, 0, left=True),
+            response_ids=cat("response_ids", response_len, pad_id, left=False),
+            response_mask=cat("response_mask", response_len, 0, left=False),
+            rollout_logp=cat("rollout_logp", response_len, 0.0, left=False),
+            rollout_entropy=cat("rollout_entropy", response_len, 0.0, left=False),
+        )
 
 
 class RolloutEngine(Protocol):

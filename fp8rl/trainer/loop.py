@@ -226,19 +226,47 @@ class RLTrainer:
     # ----------------------------------------------------------------------------------------
     # One RL step
 
-    def sample_problems(self, step: int) -> list[Problem]:
-        """The step's prompts: a (seed, step)-determined draw from the train set."""
-        gen = step_generator(self.cfg.trainer.seed, step, salt=1)
+    def sample_problems(self, step: int, round_: int = 0) -> list[Problem]:
+        """The step's prompts: a (seed, step, round)-determined draw from the train set."""
+        gen = step_generator(self.cfg.trainer.seed, step, salt=1 if round_ == 0 else 100 + round_)
         picks = torch.randint(len(self.task.train_problems), (self.cfg.algo.prompts_per_step,), generator=gen)
         return [self.task.train_problems[int(i)] for i in picks]
 
-    def rollout(self, step: int) -> tuple[list[Problem], RolloutBatch]:
-        problems = self.sample_problems(step)
+    def rollout(self, step: int, round_: int = 0) -> tuple[list[Problem], RolloutBatch]:
+        problems = self.sample_problems(step, round_)
         group = self.cfg.algo.group_size
         repeated = [p for p in problems for _ in range(group)]
         prompts = [self.task.prompt_ids(p) for p in repeated]
-        batch = self.engine.generate(prompts, self.sampling, step_generator(self.cfg.trainer.seed, step, salt=2))
+        salt = 2 if round_ == 0 else 200 + round_
+        batch = self.engine.generate(prompts, self.sampling, step_generator(self.cfg.trainer.seed, step, salt=salt))
         return repeated, batch
+
+    def rollout_and_advantages(self, step: int) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Rollout, rewards, advantages and the kept-sequence mask of one step.
+
+        With DAPO's dynamic sampling and ``algo.resample_rounds`` = R > 0, up to R more rounds of fresh
+        prompts are sampled until ``prompts_per_step`` groups with reward variation are collected; the
+        batch is those groups (first come first), topped up with dropped groups of the first round
+        (masked out, as without refilling) when R rounds were not enough. Its size never changes.
+        The ``rollout/*`` reward metrics describe the first round, as without refilling.
+        """
+        problems, batch = self.rollout(step)
+        _, adv, keep, metrics = self.rewards_and_advantages(problems, batch)
+        rounds = self.cfg.algo.resample_rounds or 0
+        if not self.cfg.algo.dynamic_sampling or rounds == 0:
+            return batch, adv, keep, metrics
+        parts = [(batch, adv, keep)]
+        wanted, group = self.cfg.algo.prompts_per_step, self.cfg.algo.group_size
+        for round_ in range(1, rounds + 1):
+            if sum(len(_kept_groups(k, group)) for _, _, k in parts) >= wanted:
+                break
+            more_problems, more = self.rollout(step, round_)
+            _, more_adv, more_keep, _ = self.rewards_and_advantages(more_problems, more)
+            parts.append((more, more_adv, more_keep))
+        batch, adv, keep, kept_groups = _refilled_batch(parts, wanted, group, self.task.tokenizer.pad_id)
+        metrics["rollout/sampling_rounds"] = float(len(parts))
+        metrics["rollout/kept_groups"] = float(kept_groups)
+        return batch, adv, keep, metrics
 
     def rewards_and_advantages(
         self, problems: list[Problem], batch: RolloutBatch
@@ -293,9 +321,8 @@ class RLTrainer:
     def train_step(self, step: int) -> StepResult:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        problems, batch = self.rollout(step)
+        batch, adv, keep, metrics = self.rollout_and_advantages(step)
         timings["time/rollout"] = time.perf_counter() - t0
-        _, adv, keep, metrics = self.rewards_and_advantages(problems, batch)
         response_mask = batch.response_mask * keep[:, None].long()
 
         t = time.perf_counter()
@@ -463,6 +490,25 @@ class RLTrainer:
             "eval/response_len": float(mask.sum(1).float().mean()),
             "eval/entropy": float((batch.rollout_entropy * mask).sum() / mask.sum().clamp(min=1)),
         }
+
+
+def _refilled_batch(
+    parts: list[tuple[RolloutBatch, torch.Tensor, torch.Tensor]], wanted: int, group: int, pad_id: int
+) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor, int]:
+    """`wanted` groups from the rounds in `parts`: kept groups first (in sampling order), then dropped
+    groups of the first round. Returns (batch, advantages, keep mask, number of kept groups used)."""
+    kept = [(i, g) for i, (_, _, keep) in enumerate(parts) for g in _kept_groups(keep, group)]
+    first_round_dropped = [(0, g) for g in range(len(parts[0][2]) // group) if (0, g) not in kept]
+    chosen = (kept + first_round_dropped)[:wanted]
+    rows = [torch.arange(g * group, (g + 1) * group) for _, g in chosen]
+    batch = RolloutBatch.concat([parts[i][0].select(r) for (i, _), r in zip(chosen, rows, strict=True)], pad_id)
+    adv = torch.cat([parts[i][1][r] for (i, _), r in zip(chosen, rows, strict=True)])
+    keep = torch.cat([parts[i][2][r] for (i, _), r in zip(chosen, rows, strict=True)])
+    return batch, adv, keep, min(len(kept), wanted)
+
+
+def _kept_groups(keep: torch.Tensor, group: int) -> list[int]:
+    return [g for g, kept in enumerate(keep.view(-1, group)[:, 0].tolist()) if kept]
 
 
 def _mean_metrics(items: list[dict[str, float]]) -> dict[str, float]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fp8rl.config import RunConfig
+from fp8rl.config import ConfigError, RunConfig, validate
 from fp8rl.tracking import NullTracker
 from fp8rl.trainer import checkpoint as ckpt
 from fp8rl.trainer.loop import RLTrainer, TrainingDiverged
@@ -175,3 +175,51 @@ def test_a_dapo_step_whose_groups_are_all_dropped_takes_no_optimizer_step(small_
     assert "rollout/token_mult_prob_error" not in metrics and "clip/low_neg" not in metrics  # no zeros for no tokens
     after = trainer.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # AdamW momentum/decay did not move the weights
+
+
+def _rewards_uniform_on_first_call(monkeypatch) -> None:
+    """Every group uniform in the first rollout round, every group varied in later ones."""
+    import fp8rl.trainer.loop as loop
+
+    calls = []
+
+    def rewards(task, problems, responses):
+        calls.append(len(problems))
+        if len(calls) == 1:
+            return torch.ones(len(problems))
+        return torch.tensor([float(i % 2) for i in range(len(problems))])
+
+    monkeypatch.setattr(loop, "batch_rewards", rewards)
+
+
+def test_dapo_resampling_refills_the_batch_with_groups_that_have_reward_variation(
+    small_cfg: RunConfig, monkeypatch
+) -> None:
+    small_cfg.algo.dynamic_sampling = True
+    small_cfg.algo.resample_rounds = 2
+    trainer = RLTrainer(small_cfg)
+    _rewards_uniform_on_first_call(monkeypatch)
+    metrics = trainer.train_step(1).metrics
+    assert metrics["rollout/dropped_groups"] == small_cfg.algo.prompts_per_step  # the first round's
+    assert metrics["rollout/sampling_rounds"] == 2.0 and metrics["rollout/kept_groups"] == 4.0
+    assert "train/empty_batch" not in metrics and math.isfinite(metrics["clip/low_neg"])
+
+
+def test_dapo_resampling_is_deterministic_and_keeps_the_batch_size(small_cfg: RunConfig) -> None:
+    small_cfg.algo.dynamic_sampling = True
+    small_cfg.algo.resample_rounds = 3
+    trainer = RLTrainer(small_cfg)
+    first = trainer.rollout_and_advantages(5)
+    second = trainer.rollout_and_advantages(5)
+    rows = small_cfg.algo.prompts_per_step * small_cfg.algo.group_size
+    assert first[0].response_ids.shape[0] == rows and first[1].shape == (rows,)
+    for name in first[0].__dataclass_fields__:
+        assert torch.equal(getattr(first[0], name), getattr(second[0], name)), name
+    assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+    assert first[3]["rollout/kept_groups"] <= small_cfg.algo.prompts_per_step
+
+
+def test_resample_rounds_need_dynamic_sampling(small_cfg: RunConfig) -> None:
+    small_cfg.algo.resample_rounds = 2
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        validate(small_cfg)
