@@ -12,7 +12,7 @@ that). Peak memory is unchanged; memory freed after the peak stays with the proc
 Off by default: once the emulator stopped allocating most of its temporaries, a whole RL step on the
 tiny preset showed no difference beyond run-to-run and order effects (five paired `rl_step.py` runs:
 with it, the step was slower in the four pairs where it ran first and faster in the one where it ran
-second; the FP8 / BF16 ratio was the same within 0.05). Turn it on
+second; the FP8 / BF16 ratio moved by 0.00-0.16 between the settings, in either direction). Turn it on
 with ``trainer.keep_freed_memory=true`` (or `--malloc keep-freed` in the benchmarks) where a workload
 allocates many short-lived large buffers. Speed only: results are bitwise the same either way; a no-op
 where glibc's `mallopt` is missing (macOS, musl).

@@ -9,8 +9,8 @@ prefill as in every decode step.
 
 One difference from vLLM, by construction of megatron's static context: it caches keys *before*
 rotary embedding (the cached keys are rotated when read), vLLM caches them after. Here the rounding
-therefore applies to pre-rotation keys; values are the same in both. RoPE is a rotation of pairs of
-channels, so the two roundings have the same size, but not the same bits.
+therefore applies to pre-rotation keys, so the keys' rounding errors differ element by element from
+vLLM's (not measured here); values are rounded the same way in both.
 """
 
 from __future__ import annotations

@@ -147,8 +147,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, qa: Fp8Tensor, qb: Fp8Tensor, out_dt
     if a.dtype != b.dtype:  # one block operand with scales that are not all powers of two
         a, b = a.float(), b.float()
     out = a @ b.t()
-    if qa.granularity not in _OUTER_SCALED:
-        return out.to(out_dtype)
+    if qa.granularity not in _OUTER_SCALED or qb.granularity not in _OUTER_SCALED:
+        return out.to(out_dtype)  # block operands: dequantized inputs, nothing left to scale
     if qa.scale.dim() == 0 and qb.scale.dim() == 0:
         scale = qa.scale * qb.scale
         if out.dtype == out_dtype == torch.bfloat16:
@@ -156,7 +156,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, qa: Fp8Tensor, qb: Fp8Tensor, out_dt
             # with the scalar's original value, then rounds once to bf16.
             return torch.mul(out, scale)
         return out.float().mul_(scale).to(out_dtype)
-    out = out.float()  # (a mixed-dtype multiply by a scale vector instead is ~40x slower on CPU)
+    out = out.float()  # convert first: mixed-dtype elementwise ops with a scale vector are far slower on CPU
     scale_a = qa.scale if qa.scale.dim() == 0 else qa.scale.reshape(-1, 1)
     scale_b = qb.scale if qb.scale.dim() == 0 else qb.scale.reshape(1, -1)
     return out.mul_(scale_a).mul_(scale_b).to(out_dtype)
@@ -164,12 +164,9 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, qa: Fp8Tensor, qb: Fp8Tensor, out_dt
 
 def fp8_gemm(qa: Fp8Tensor, qb: Fp8Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     """``A @ B^T`` from two quantized operands laid out (rows, reduction); returns fp32 (M, N)."""
-    if qa.granularity in _OUTER_SCALED and qb.granularity in _OUTER_SCALED:
-        return _gemm(gemm_input(qa, compute_dtype), gemm_input(qb, compute_dtype), qa, qb, torch.float32)
-    a, b = _dequantized_input(qa, compute_dtype), _dequantized_input(qb, compute_dtype)
-    if a.dtype != b.dtype:
-        a, b = a.float(), b.float()
-    return (a @ b.t()).float()
+    both_outer = qa.granularity in _OUTER_SCALED and qb.granularity in _OUTER_SCALED
+    to_input = gemm_input if both_outer else _dequantized_input  # a mixed pair: both dequantized
+    return _gemm(to_input(qa, compute_dtype), to_input(qb, compute_dtype), qa, qb, torch.float32)
 
 
 def _as_float32(t: torch.Tensor) -> torch.Tensor:

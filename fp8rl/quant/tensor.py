@@ -95,12 +95,9 @@ def fp8_to_float(data: torch.Tensor, dtype: torch.dtype = torch.float32, check_n
     if data.device.type == "cpu" and _cpu_flushes_denormals():
         # FP8 subnormals land on float32/bf16 subnormals below, which flush-to-zero mode would zero.
         return data.to(dtype)
-    int_dtype, shift, mask, exponent_fix = _WIDEN[key]
-    bits = data.view(torch.int8)
-    wide = bits.to(int_dtype).bitwise_left_shift_(shift).bitwise_and_(mask).view(key[1])
-    out = wide.mul_(2.0**exponent_fix)
+    out = _placed_bits(data, key[1]).mul_(2.0 ** _WIDEN[key][3])
     if check_nonfinite:
-        out = _restore_nonfinite(out, bits, data.dtype)
+        out = _restore_nonfinite(out, data.view(torch.int8), data.dtype)
     return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -114,13 +111,16 @@ def _dequantize_by_bit_placement(q: Fp8Tensor, compute: torch.dtype) -> torch.Te
     key = (q.data.dtype, compute)
     if q.may_have_nonfinite or key not in _WIDEN or (q.data.device.type == "cpu" and _cpu_flushes_denormals()):
         return None
-    int_dtype, shift, mask, exponent_fix = _WIDEN[key]
-    factor = q.scale.float() * 2.0**exponent_fix
+    factor = q.scale.float() * 2.0 ** _WIDEN[key][3]
     if not bool(torch.isfinite(factor).all()):
         return None
-    bits = q.data.view(torch.int8)
-    placed = bits.to(int_dtype).bitwise_left_shift_(shift).bitwise_and_(mask).view(compute)
-    return apply_block_scale(as_2d(placed), factor.to(compute), q.granularity, torch.mul)
+    return apply_block_scale(as_2d(_placed_bits(q.data, compute)), factor.to(compute), q.granularity, torch.mul)
+
+
+def _placed_bits(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 codes as ``value * 2^-k`` in bf16/fp32 (k = `_WIDEN`'s exponent fix), exact for finite codes."""
+    int_dtype, shift, mask, _ = _WIDEN[(data.dtype, dtype)]
+    return data.view(torch.int8).to(int_dtype).bitwise_left_shift_(shift).bitwise_and_(mask).view(dtype)
 
 
 def _cpu_flushes_denormals() -> bool:
@@ -263,7 +263,7 @@ def _scale_and_cast(
     """
     if not saturate and not bool((scale >= SMALLEST_FP32_NORMAL).all()):
         saturate = True
-    # Convert first: a mixed-dtype division (bf16 x, float32 scale) is ~40x slower on CPU than both passes.
+    # Convert first: a mixed-dtype division (bf16 x, float32 scale) took ~20x as long on CPU as both passes.
     divide = torch.Tensor.div_ if in_place and x2d.dtype == torch.float32 else torch.div
     scaled = apply_block_scale(x2d.float(), scale, granularity, divide)
     if saturate:

@@ -32,6 +32,10 @@ class RolloutBatch:
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
 
+    def responses(self) -> list[list[int]]:
+        """Each row's generated token ids (response pads removed)."""
+        return [row[mask.bool()].tolist() for row, mask in zip(self.response_ids, self.response_mask, strict=True)]
+
     def select(self, rows: slice | Tensor) -> RolloutBatch:
         """A sub-batch (mini-batch) of rows."""
         return RolloutBatch(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))

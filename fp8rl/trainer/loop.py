@@ -273,9 +273,7 @@ class RLTrainer:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
         """Per-sequence rewards (with DAPO shaping), advantages, and the kept-sequence mask."""
         a = self.cfg.algo
-        responses = [
-            row[mask.bool()].tolist() for row, mask in zip(batch.response_ids, batch.response_mask, strict=True)
-        ]
+        responses = batch.responses()
         task_reward = batch_rewards(self.task, problems, responses)
         reward = task_reward.clone()
         lengths = batch.response_mask.sum(dim=1)
@@ -480,7 +478,7 @@ class RLTrainer:
         problems = self.task.eval_problems[: self.cfg.trainer.eval_size]
         greedy = dataclasses.replace(self.sampling, temperature=0.0)
         batch = self.engine.generate([self.task.prompt_ids(p) for p in problems], greedy, None)
-        responses = [row[m.bool()].tolist() for row, m in zip(batch.response_ids, batch.response_mask, strict=True)]
+        responses = batch.responses()
         rewards = batch_rewards(self.task, problems, responses)
         garbled = garble_metrics([self.task.garble_reason(r) for r in responses])
         mask = batch.response_mask

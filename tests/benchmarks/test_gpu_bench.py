@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,14 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from . import ROOT, load_benchmark
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
@@ -33,7 +25,7 @@ def test_refuses_without_a_gpu(tmp_path: Path) -> None:
 
 
 def test_verdicts_compare_ratios_with_the_issue_targets() -> None:
-    bench = load()
+    bench = load_benchmark("gpu_bench")
     results = {
         "train_step": {"speedup": {"bf16": 1.0, "tensorwise": 1.42, "blockwise": 1.05}},
         "vllm": {"speedup_fp8": 1.25},
@@ -47,7 +39,7 @@ def test_verdicts_compare_ratios_with_the_issue_targets() -> None:
 
 
 def test_sections_without_their_stack_are_reported_as_skipped() -> None:
-    bench = load()
+    bench = load_benchmark("gpu_bench")
     assert bench.have("torch") is None
     assert bench.have("surely_not_a_module_xyz") == "not installed: surely_not_a_module_xyz"
 

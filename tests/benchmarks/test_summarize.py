@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks" / "summarize.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from . import load_benchmark
 
 
 def phases(step: float) -> dict[str, float]:
@@ -33,7 +25,7 @@ def rl_step_record(fp8_step: float) -> dict:
 
 def test_the_summary_reads_every_number_from_the_jsons(tmp_path: Path) -> None:
     (tmp_path / "rl_step.json").write_text(json.dumps(rl_step_record(1.25)))
-    text = load().summarize(tmp_path)
+    text = load_benchmark("summarize").summarize(tmp_path)
     assert "git abcdef123456" in text and "keep-freed" in text
     assert "| fp8_full-tensorwise | 0.100 | 0.100 | 0.000 | 0.200 | 1.250 | 1.25 | met |" in text
     assert "| fp8_full-blockwise | 0.100 | 0.100 | 0.000 | 0.200 | 1.600 | 1.60 | NOT met |" in text
@@ -43,7 +35,7 @@ def test_the_summary_reads_every_number_from_the_jsons(tmp_path: Path) -> None:
 
 def test_main_writes_summary_md(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "rl_step.json").write_text(json.dumps(rl_step_record(1.7)))
-    module = load()
+    module = load_benchmark("summarize")
     monkeypatch.setattr("sys.argv", ["summarize.py", str(tmp_path)])
     module.main()
     assert "| 1.70 | NOT met |" in (tmp_path / "SUMMARY.md").read_text()

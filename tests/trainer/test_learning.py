@@ -44,8 +44,7 @@ def sampled_reward(trainer: RLTrainer, samples: int = 4, seed: int = 0) -> float
     problems = [p for p in trainer.task.eval_problems[: trainer.cfg.trainer.eval_size] for _ in range(samples)]
     prompts = [trainer.task.prompt_ids(p) for p in problems]
     batch = trainer.engine.generate(prompts, trainer.sampling, torch.Generator().manual_seed(seed))
-    responses = [row[m.bool()].tolist() for row, m in zip(batch.response_ids, batch.response_mask, strict=True)]
-    return float(batch_rewards(trainer.task, problems, responses).mean())
+    return float(batch_rewards(trainer.task, problems, batch.responses()).mean())
 
 
 @pytest.mark.slow
