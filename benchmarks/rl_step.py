@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _provenance import write_json  # noqa: E402
 
-from fp8rl.config import RunConfig  # noqa: E402
+from fp8rl.config import RunConfig, with_overrides  # noqa: E402
+from fp8rl.job import build_trainer  # noqa: E402
 from fp8rl.malloc import malloc_state  # noqa: E402
-from fp8rl.trainer.loop import RLTrainer  # noqa: E402
 
 PHASES = ("time/rollout", "time/old_logp", "time/shadow", "time/update", "time/step")
 CONFIGS = {
@@ -40,21 +40,19 @@ CONFIGS = {
 
 
 def bench_config(overrides: dict, args: argparse.Namespace) -> RunConfig:
-    cfg = RunConfig()
-    cfg.tracking.enabled = False
-    cfg.trainer.out_dir = "/tmp/fp8rl-bench-rl-step"
-    cfg.warmstart.steps = args.warmstart_steps
-    cfg.algo.prompts_per_step = args.prompts
-    for dotted, value in overrides.items():
-        section, field = dotted.split(".")
-        setattr(getattr(cfg, section), field, value)
-    return cfg
+    base = {
+        "tracking.enabled": False,
+        "warmstart.steps": args.warmstart_steps,
+        "algo.prompts_per_step": args.prompts,
+        "trainer.keep_freed_memory": args.malloc == "keep-freed",
+    }
+    return with_overrides(RunConfig(), {**base, **overrides})
 
 
 def time_round_robin(cfgs: dict[str, RunConfig], steps: int) -> dict[str, dict[str, float]]:
     """Median phase times per config; the configs take turns step by step, so that load from other
     processes on a shared machine falls on all of them alike."""
-    trainers = {name: RLTrainer(cfg) for name, cfg in cfgs.items()}
+    trainers = {name: build_trainer(cfg) for name, cfg in cfgs.items()}
     for trainer in trainers.values():
         trainer.train_step(0)  # warm-up (allocator, first-call costs)
     samples: dict[str, list[dict]] = {name: [] for name in trainers}
@@ -82,8 +80,6 @@ def main() -> None:
 
     started = time.time()
     cfgs = {name: bench_config(overrides, args) for name, overrides in CONFIGS.items()}
-    for cfg in cfgs.values():
-        cfg.trainer.keep_freed_memory = args.malloc == "keep-freed"
     results = time_round_robin(cfgs, args.steps)
     base = results["bf16"]["time/step"]
     print(f"{'config':30s} " + " ".join(f"{p.split('/')[1]:>9s}" for p in PHASES) + "   x BF16 step")

@@ -101,7 +101,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from fp8rl.launch.compare import compare
+    from fp8rl.report.compare import compare
 
     group_by = args.group_by.split(",") if args.group_by else None
     _, paths = compare(args.experiment, args.metrics, group_by, args.out, args.tracking_uri, args.all)

@@ -1,8 +1,15 @@
-"""One typed config per run: dataclasses registered with Hydra's ConfigStore, validated once at launch.
+"""One typed config per run: frozen dataclasses, one per component, composed by `RunConfig`.
 
-The YAML groups in `sweeps/` only override what differs from these defaults. `validate(cfg)` is the
-single place where impossible combinations fail, with a message that says what to change; it runs
-before any model, engine or tracker is built.
+This module is the ground floor: it imports nothing else from fp8rl. Each section is the config its
+component consumes as is (the clip-bound policy reads `ClippingConfig`, the warm start `WarmStartConfig`,
+the task builder `TaskConfig`, ...), so every default has exactly one source: the field below. The YAML
+groups in `sweeps/` only override what differs (a test says so).
+
+Checks here are structural and pure (ranges, combinations); a bad config raises `ConfigError` naming
+the override to change. Names that registries own (losses, advantage estimators, recipes, tasks, model
+presets, rollout engines) are checked against those registries by `fp8rl.choices.validated`, and the
+machine (CUDA, GPU capability, vLLM, memory, layout) by `fp8rl.preflight`: both run before anything
+heavy starts.
 """
 
 from __future__ import annotations
@@ -10,185 +17,33 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_full")
-RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_BACKENDS = ("emulated", "te")
-CLIP_POLICIES = ("standard", "calibrated")
-ROLLOUT_CORRECTIONS = ("none", "tis_token", "tis_seq", "mis_token", "mis_seq")
-ROLLOUT_ENGINES = ("builtin", "vllm")
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-DEVICES = ("cpu", "cuda")
-
-
-@dataclass
-class AlgoConfig:
-    """The RL objective (GRPO and DAPO are presets of these fields)."""
-
-    name: str = "grpo"  # label of the preset ("grpo", "dapo")
-    advantage: str = "grpo"  # advantage estimator registry key ("grpo", "rloo")
-    norm_adv_by_std: bool = True  # GRPO's std normalization; False = Dr.GRPO
-    policy_loss: str = "ppo_clip"  # policy-loss registry key ("ppo_clip", "dual_clip")
-    eps_low: float = 0.2  # standard lower clip bound is 1 - eps_low
-    eps_high: float = 0.2  # standard upper clip bound is 1 + eps_high (DAPO clip-higher: 0.28)
-    dual_clip_c: float = 3.0  # dual-clip constant (used by "dual_clip")
-    loss_agg: str = "seq-mean-token-mean"  # loss aggregation mode (DAPO: "token-mean")
-    kl_coef: float = 0.0  # weight of the KL penalty to the reference (warm-start) policy; 0 = off
-    kl_type: str = "low_var_kl"  # "k1", "k2" or "low_var_kl" (k3)
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
-    resample_rounds: int | None = None  # DAPO: extra rollout rounds that refill the batch with kept groups; None = 0
-    overlong_buffer: int = 0  # DAPO overlong shaping buffer length in tokens; 0 = off
-    overlong_factor: float = 1.0  # DAPO overlong penalty factor
-    group_size: int = 8  # G responses per prompt
-    prompts_per_step: int = 32  # prompts per RL step (batch = prompts_per_step * group_size)
-    num_minibatches: int = 4  # PPO mini-batch updates per step (>= 2 for calibrated clipping)
-    ppo_epochs: int = 1  # passes over the step's batch
-    lr: float = 1e-5  # AdamW learning rate
-    weight_decay: float = 0.0  # AdamW weight decay
-    grad_clip: float = 1.0  # max global grad norm
-    entropy_coef: float = 0.0  # entropy bonus weight (0 = off, as in the paper)
-
-
-@dataclass
-class PrecisionConfig:
-    """Where FP8 enters the pipeline."""
-
-    mode: str = "bf16"  # "bf16", "fp8_rollout" (rollout FP8, trainer BF16), "fp8_full" (rollout + trainer FP8)
-    recipe: str = "tensorwise"  # FP8 scaling granularity: tensorwise, rowwise, blockwise, mxfp8
-    fmt: str = "e4m3"  # "e4m3" everywhere or "hybrid" (E5M2 gradients)
-    scaling: str = "current"  # tensorwise only: "current" or "delayed"
-    backend: str = "emulated"  # "emulated" (fp8rl.quant, any device) or "te" (Transformer Engine, GPU)
-    fp8_kv_cache: bool = False  # FP8 (E4M3, unit-scale) KV cache in the rollout; built-in engine: emulated
-
-
-@dataclass
-class ClippingConfig:
-    """Clip bounds and rollout corrections."""
-
-    policy: str = "standard"  # "standard" or "calibrated" (Calibrated Clipping)
-    interval: int = 20  # calibrated: recalibrate every K steps
-    init_low: float | None = None  # calibrated: bounds before the first calibration (None = 1 - eps_low)
-    init_high: float | None = None  # calibrated: (None = 1 + eps_high)
-    ema: float = 0.0  # calibrated: smoothing of bound updates, new = ema * old + (1 - ema) * calibrated
-    lower_only: bool = False  # calibrated: ablation that calibrates only the lower bound
-    rollout_correction: str = "none"  # "none", "tis_token", "tis_seq", "mis_token", "mis_seq"
-    tis_cap: float = 2.0  # TIS truncation C
-    mis_low: float = 0.5  # MIS / IcePop: keep tokens with rollout ratio in [mis_low, mis_high]
-    mis_high: float = 2.0
-
-
-@dataclass
-class RolloutConfig:
-    """The rollout engine and sampling."""
-
-    engine: str = "builtin"  # "builtin" (same Megatron model, KV cache) or "vllm"
-    temperature: float = 1.0  # sampling temperature
-    top_p: float = 1.0  # nucleus mass; 1 = off
-    max_new_tokens: int | None = None  # None = the task's response limit
-
-
-@dataclass
-class ModelSection:
-    """Which model preset (see fp8rl.models.config) and its device."""
-
-    preset: str = "tiny"  # "tiny", "qwen3_8b", "qwen3_14b", "qwen2_5_32b"
-    device: str = "cpu"  # "cpu" or "cuda"
-    outlier_channels: int = 0  # ablation: activation outlier channels injected after the warm start (0 = off)
-    outlier_scale: float = 1.0  # their magnitude factor (function-preserving; see fp8rl.models.outliers)
-
-
-@dataclass
-class ParallelSection:
-    """GPU layout (fp8rl.models.parallel): None = the model preset's layout; set a field to override it."""
-
-    tensor_parallel: int | None = None  # TP size (within a node)
-    pipeline_parallel: int | None = None  # PP size
-    nodes: int | None = None  # nodes per job (DP = nodes x GPUs / (TP x PP))
-    gpus_per_node: int | None = None  # GPUs (= ranks) per node
-    max_seq_len: int | None = None  # trainer sequence length
-    micro_batch_size: int | None = None  # sequences per micro-batch and rank
-    rollout_placement: str | None = None  # "colocated" (vLLM shares the trainer GPUs) or "separate"
-    rollout_tensor_parallel: int | None = None
-    rollout_gpus: int | None = None  # separate placement: GPUs per job reserved for vLLM
-    distributed_optimizer: bool | None = None
-    activation_recompute: bool | None = None
-    gpu_memory_gb: float | None = None  # per GPU, for the memory check (H100 80, H200 141)
-
-
-@dataclass
-class TaskSection:
-    """The verifiable-reward task."""
-
-    name: str = "arithmetic"  # task registry key
-    operations: str = "+"  # arithmetic operations
-    num_digits: int = 3  # operand digits
-    num_train: int = 20000  # training prompts
-    num_eval: int = 256  # held-out eval prompts
-    seed: int = 0  # fixes the problem sets
-
-
-@dataclass
-class WarmStartSection:
-    """Supervised warm start (cached by config hash)."""
-
-    steps: int = 400  # SFT steps (tiny + 3-digit addition: about 59% greedy accuracy)
-    batch_size: int = 256  # SFT batch
-    lr: float = 1e-3  # SFT learning rate
-    seed: int = 0  # SFT seed
-    cache_dir: str = ".cache/warmstart"  # where warm starts are cached
-
-
-@dataclass
-class TrainerConfig:
-    """The RL loop."""
-
-    steps: int = 100  # RL steps
-    seed: int = 0  # seeds prompts, sampling and everything else
-    eval_every: int = 10  # greedy eval every N steps (and at the end); 0 = only at the end
-    eval_size: int = 256  # eval prompts used
-    checkpoint_every: int = 10  # checkpoint every N steps; 0 = only at the end
-    keep_checkpoints: int = 2  # most recent checkpoints kept
-    out_dir: str = "outputs/run"  # checkpoints and run files
-    max_bad_steps: int = 3  # stop after this many non-finite steps in a row
-    shadow_every: int = 0  # fp8_full: BF16 shadow diagnostics (over-clip rates) every N steps; 0 = calibration only
-    log_ratio_histograms: bool = True  # log BF16-shadow vs FP8 ratio histograms as artifacts
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
-    keep_freed_memory: bool = False  # glibc: keep freed buffers for reuse (fp8rl.malloc); speed only
-
-
-@dataclass
-class TrackingConfig:
-    """MLflow tracking."""
-
-    enabled: bool = True  # False = no MLflow (tests)
-    tracking_uri: str | None = None  # None = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working dir
-    experiment: str = "fp8rl"  # MLflow experiment
-    run_name: str | None = None  # MLflow run name (default: derived from the config)
-    parent_run_id: str | None = None  # nest this run under a sweep's parent run
-    tags: dict[str, str] = field(default_factory=dict)  # extra tags (sweep axes)
-
-
-@dataclass
-class RunConfig:
-    """Everything one run needs."""
-
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    clipping: ClippingConfig = field(default_factory=ClippingConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    model: ModelSection = field(default_factory=ModelSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
-    task: TaskSection = field(default_factory=TaskSection)
-    warmstart: WarmStartSection = field(default_factory=WarmStartSection)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+from typing import Any, get_args, get_origin, get_type_hints
 
 
 class ConfigError(ValueError):
     """A config that cannot run; the message says what to change."""
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
+    """A config field with its one-line help (shown by ``make docs`` in the README's option tables)."""
+    if isinstance(default, dict):
+        frozen = dict(default)
+        return field(default_factory=lambda: dict(frozen), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+def help_of(cls: type, name: str) -> str:
+    """The help text of field `name` of config class `cls`."""
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
+
+
+# Vocabularies that no registry owns: what the pipeline itself can do.
+PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_full")
+FP8_BACKENDS = ("emulated", "te")
+DEVICES = ("cpu", "cuda")
+PLACEMENTS = ("colocated", "separate")
 
 
 def _one_of(value: Any, valid: tuple, where: str) -> None:
@@ -196,176 +51,542 @@ def _one_of(value: Any, valid: tuple, where: str) -> None:
         raise ConfigError(f"{where}={value!r} is not valid; choose one of {list(valid)}")
 
 
-def validate(cfg: RunConfig, cuda_available: bool = False) -> RunConfig:
-    """Check every field and combination; raise ConfigError naming the override to change."""
-    a, p, c, r = cfg.algo, cfg.precision, cfg.clipping, cfg.rollout
-    _one_of(p.mode, PRECISION_MODES, "precision.mode")
-    _one_of(p.recipe, RECIPES, "precision.recipe")
-    _one_of(p.fmt, FP8_FORMATS, "precision.fmt")
-    _one_of(p.backend, FP8_BACKENDS, "precision.backend")
-    _one_of(p.scaling, ("current", "delayed"), "precision.scaling")
-    _one_of(c.policy, CLIP_POLICIES, "clipping.policy")
-    _one_of(c.rollout_correction, ROLLOUT_CORRECTIONS, "clipping.rollout_correction")
-    _one_of(r.engine, ROLLOUT_ENGINES, "rollout.engine")
-    _one_of(a.loss_agg, LOSS_AGGREGATIONS, "algo.loss_agg")
-    _one_of(cfg.model.device, DEVICES, "model.device")
-    if p.scaling == "delayed" and p.recipe != "tensorwise":
-        raise ConfigError("precision.scaling=delayed exists only for precision.recipe=tensorwise")
-    if p.mode == "bf16" and p.recipe != PrecisionConfig.recipe:
-        raise ConfigError(
-            f"precision.recipe={p.recipe} is an FP8 scaling recipe but precision.mode=bf16 uses no FP8: drop the "
-            "recipe override or choose precision.mode=fp8_rollout or fp8_full"
-        )
-    if a.resample_rounds is not None and (a.resample_rounds < 0 or not a.dynamic_sampling):
-        raise ConfigError(
-            f"algo.resample_rounds={a.resample_rounds}: refilling needs algo.dynamic_sampling=true and a count >= 0"
-        )
-    if a.group_size < 2:
-        raise ConfigError(f"algo.group_size={a.group_size}: group advantages need at least 2 samples per prompt")
-    batch = a.prompts_per_step * a.group_size
-    if batch % a.num_minibatches:
-        raise ConfigError(
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """The RL objective (GRPO and DAPO are presets of these fields)."""
+
+    name: str = option("grpo", "label of the preset (grpo, dapo)")
+    advantage: str = option("grpo", "advantage estimator (registry: grpo, rloo)")
+    norm_adv_by_std: bool = option(True, "GRPO's std normalization; false = Dr.GRPO")
+    policy_loss: str = option("ppo_clip", "policy loss (registry: ppo_clip, dual_clip, cispo)")
+    eps_low: float = option(0.2, "standard lower clip bound is 1 - eps_low")
+    eps_high: float = option(0.2, "standard upper clip bound is 1 + eps_high (DAPO clip-higher: 0.28)")
+    dual_clip_c: float = option(3.0, "dual-clip constant c (policy_loss=dual_clip)")
+    loss_agg: str = option("seq-mean-token-mean", "loss aggregation (token-mean, seq-mean-token-mean, ...)")
+    kl_coef: float = option(0.0, "weight of the KL penalty to the reference (start) policy; 0 = off")
+    kl_type: str = option("low_var_kl", "KL estimator (registry: k1, k2, low_var_kl)")
+    dynamic_sampling: bool = option(False, "DAPO: drop groups whose rewards are all equal")
+    resample_rounds: int = option(0, "DAPO: extra rollout rounds that refill the batch with kept groups")
+    overlong_buffer: int = option(0, "DAPO overlong shaping buffer in tokens; 0 = off")
+    overlong_factor: float = option(1.0, "DAPO overlong penalty factor")
+    group_size: int = option(8, "G responses per prompt")
+    prompts_per_step: int = option(32, "prompts per RL step (batch = prompts_per_step x group_size)")
+    num_minibatches: int = option(4, "PPO mini-batch updates per step (>= 2 for calibrated clipping)")
+    ppo_epochs: int = option(1, "passes over the step's batch")
+    lr: float = option(1e-5, "AdamW learning rate")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    grad_clip: float = option(1.0, "max global grad norm")
+    entropy_coef: float = option(0.0, "entropy bonus weight (0 = off, as in the paper)")
+
+    def __post_init__(self) -> None:
+        _require(self.group_size >= 2, f"algo.group_size={self.group_size}: group advantages need >= 2 samples")
+        for name in ("prompts_per_step", "num_minibatches", "ppo_epochs"):
+            value = getattr(self, name)
+            _require(value >= 1, f"algo.{name}={value} must be >= 1")
+        batch = self.prompts_per_step * self.group_size
+        _require(
+            batch % self.num_minibatches == 0,
             f"batch {batch} (algo.prompts_per_step * algo.group_size) is not divisible by "
-            f"algo.num_minibatches={a.num_minibatches}; change one of them"
+            f"algo.num_minibatches={self.num_minibatches}; change one of them",
         )
-    if (batch // a.num_minibatches) % a.group_size:
-        raise ConfigError(
-            f"a mini-batch of {batch // a.num_minibatches} sequences splits groups of {a.group_size}; make "
-            "algo.prompts_per_step divisible by algo.num_minibatches"
+        _require(
+            (batch // self.num_minibatches) % self.group_size == 0,
+            f"a mini-batch of {batch // self.num_minibatches} sequences splits groups of {self.group_size}; make "
+            "algo.prompts_per_step divisible by algo.num_minibatches",
         )
-    if not 0 < a.eps_low < 1 or a.eps_high <= 0:
-        raise ConfigError(f"need 0 < algo.eps_low < 1 and algo.eps_high > 0, got {a.eps_low}, {a.eps_high}")
+        _require(
+            0 < self.eps_low < 1 and self.eps_high > 0,
+            f"need 0 < algo.eps_low < 1 and algo.eps_high > 0, got {self.eps_low}, {self.eps_high}",
+        )
+        _require(self.lr > 0, f"algo.lr={self.lr} must be > 0")
+        _require(self.kl_coef >= 0, f"algo.kl_coef={self.kl_coef} must be >= 0")
+        _require(self.grad_clip > 0, f"algo.grad_clip={self.grad_clip} must be > 0")
+        _require(self.dual_clip_c > 1, f"algo.dual_clip_c={self.dual_clip_c} must be > 1")
+        _require(
+            self.resample_rounds >= 0 and (self.resample_rounds == 0 or self.dynamic_sampling),
+            f"algo.resample_rounds={self.resample_rounds}: refilling needs algo.dynamic_sampling=true and a count >= 0",
+        )
+        _require(self.overlong_buffer >= 0, f"algo.overlong_buffer={self.overlong_buffer} must be >= 0")
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per RL step."""
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Where FP8 enters the pipeline, and how it scales."""
+
+    mode: str = option("bf16", "bf16, fp8_rollout (rollout FP8, trainer BF16), fp8_full (rollout + trainer FP8)")
+    recipe: str = option("tensorwise", "FP8 scaling granularity (tensorwise, rowwise, blockwise, mxfp8)")
+    fmt: str = option("e4m3", "e4m3 everywhere, or hybrid (E5M2 gradients)")
+    scaling: str = option("current", "tensorwise only: current or delayed (amax history)")
+    amax_history_len: int = option(16, "delayed scaling: amax history length")
+    amax_compute_algo: str = option("max", "delayed scaling: max over the history or most_recent")
+    margin: int = option(0, "delayed scaling: scale divided by 2^margin for headroom")
+    backend: str = option("emulated", "emulated (fp8rl.quant, any device) or te (Transformer Engine, GPU)")
+    fp8_kv_cache: bool = option(False, "FP8 (E4M3, unit-scale) KV cache in the rollout")
+
+    def __post_init__(self) -> None:
+        _one_of(self.mode, PRECISION_MODES, "precision.mode")
+        _one_of(self.backend, FP8_BACKENDS, "precision.backend")
+        _require(
+            self.scaling == "current" or self.recipe == "tensorwise",
+            "precision.scaling=delayed exists only for precision.recipe=tensorwise",
+        )
+        _require(
+            self.mode != "bf16" or self.recipe == PrecisionConfig.recipe,
+            f"precision.recipe={self.recipe} is an FP8 scaling recipe but precision.mode=bf16 uses no FP8: drop the "
+            "recipe override or choose precision.mode=fp8_rollout or fp8_full",
+        )
+        _require(
+            self.mode != "bf16" or not self.fp8_kv_cache,
+            "precision.fp8_kv_cache=true needs an FP8 precision.mode (fp8_rollout or fp8_full)",
+        )
+
+    @property
+    def rollout_fp8(self) -> bool:
+        return self.mode != "bf16"
+
+    @property
+    def trainer_fp8(self) -> bool:
+        return self.mode == "fp8_full"
+
+
+@dataclass(frozen=True)
+class ClippingConfig:
+    """Clip bounds (standard or Calibrated Clipping) and rollout corrections."""
+
+    policy: str = option("standard", "clip-bound policy (registry: standard, calibrated)")
+    interval: int = option(20, "calibrated: recalibrate every K steps (paper: 20)")
+    init_low: float | None = option(None, "calibrated: lower bound before the first calibration (None = 1 - eps_low)")
+    init_high: float | None = option(None, "calibrated: upper bound before the first calibration (None = 1 + eps_high)")
+    ema: float = option(0.5, "calibrated: smoothing, bound = ema * old + (1 - ema) * calibrated")
+    lower_only: bool = option(False, "calibrated: ablation that calibrates only the lower bound")
+    rollout_correction: str = option("none", "none, or a correction (registry: tis_token, tis_seq, mis_*, icepop)")
+    tis_cap: float = option(2.0, "TIS truncation C")
+    mis_low: float = option(0.5, "MIS / IcePop: keep tokens whose rollout ratio is >= mis_low")
+    mis_high: float = option(2.0, "MIS / IcePop: keep tokens whose rollout ratio is <= mis_high")
+
+    def __post_init__(self) -> None:
+        _require(self.interval >= 1, f"clipping.interval={self.interval} must be >= 1")
+        _require(0 <= self.ema < 1, f"clipping.ema={self.ema} must be in [0, 1)")
+        _require(self.tis_cap > 0, f"clipping.tis_cap={self.tis_cap} must be > 0")
+        _require(0 < self.mis_low < 1 < self.mis_high, "need 0 < clipping.mis_low < 1 < clipping.mis_high")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout engine and its sampling."""
+
+    engine: str = option("builtin", "builtin (the trainer's Megatron model, KV cache) or vllm")
+    temperature: float = option(1.0, "sampling temperature (> 0)")
+    top_p: float = option(1.0, "nucleus mass; 1 = off")
+    max_new_tokens: int | None = option(None, "response limit in tokens; None = the task's")
+
+    def __post_init__(self) -> None:
+        _require(
+            self.temperature > 0,
+            "rollout.temperature must be > 0 for RL sampling (log-probs of a greedy policy are degenerate)",
+        )
+        _require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p} must be in (0, 1]")
+        _require(
+            self.max_new_tokens is None or self.max_new_tokens >= 1,
+            f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1",
+        )
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The policy model: a named preset or a Hugging Face checkpoint, and its device."""
+
+    preset: str = option("tiny", "model preset (tiny, qwen3_8b, qwen3_14b, qwen2_5_32b)")
+    hf_path: str | None = option(None, "Hugging Face checkpoint folder (or hub id): weights, config, tokenizer")
+    device: str = option("cpu", "cpu or cuda")
+    outlier_channels: int = option(0, "ablation: activation outlier channels injected after the warm start")
+    outlier_scale: float = option(1.0, "their magnitude factor (function-preserving; fp8rl.models.outliers)")
+
+    def __post_init__(self) -> None:
+        _one_of(self.device, DEVICES, "model.device")
+        _require(
+            0 <= self.outlier_channels <= 128,
+            f"model.outlier_channels={self.outlier_channels} must be in 0..128 (0 = off)",
+        )
+        _require(
+            not self.outlier_channels or self.outlier_scale > 1.0,
+            f"model.outlier_scale={self.outlier_scale} with model.outlier_channels={self.outlier_channels}: "
+            "outliers need a factor above 1 (e.g. model.outlier_scale=32), or set model.outlier_channels=0",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout (fp8rl.models.parallel): None = the model preset's layout; set a field to override it."""
+
+    tensor_parallel: int | None = option(None, "TP size (within a node)")
+    pipeline_parallel: int | None = option(None, "PP size")
+    nodes: int | None = option(None, "nodes per job (DP = nodes x GPUs / (TP x PP))")
+    gpus_per_node: int | None = option(None, "GPUs (= ranks) per node")
+    max_seq_len: int | None = option(None, "trainer sequence length")
+    micro_batch_size: int | None = option(None, "sequences per micro-batch and rank")
+    rollout_placement: str | None = option(None, "colocated (vLLM shares the trainer GPUs) or separate")
+    rollout_tensor_parallel: int | None = option(None, "vLLM's TP size")
+    rollout_gpus: int | None = option(None, "separate placement: GPUs per job reserved for vLLM")
+    distributed_optimizer: bool | None = option(None, "shard the optimizer state over DP (Megatron)")
+    activation_recompute: bool | None = option(None, "full activation recompute (Megatron)")
+    gpu_memory_gb: float | None = option(None, "per GPU, for the memory check (H100 80, H200 141)")
+
+    def __post_init__(self) -> None:
+        if self.rollout_placement is not None:
+            _one_of(self.rollout_placement, PLACEMENTS, "parallel.rollout_placement")
+        sizes = ("tensor_parallel", "pipeline_parallel", "nodes", "gpus_per_node", "micro_batch_size")
+        for name in sizes:
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"parallel.{name}={value} must be >= 1")
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields set (not None): what changes the preset layout."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The verifiable-reward task: the tiny arithmetic task, or a math data set with a verifier reward."""
+
+    name: str = option("arithmetic", "task (registry: arithmetic, math)")
+    operations: str = option("+", "arithmetic: operations")
+    num_digits: int = option(3, "arithmetic: operand digits")
+    num_train: int = option(20000, "arithmetic: training problems")
+    num_eval: int = option(256, "arithmetic: held-out problems")
+    seed: int = option(0, "fixes the problem sets")
+    dataset: str | None = option(None, "math: training data set (dapo_math_17k, deepscaler)")
+    path: str | None = option(None, "math: local file or folder of the training data (None = the hub id)")
+    split: str | None = option(None, "math: data set split (None = the data set's default)")
+    eval_sets: tuple[str, ...] = option((), "math: evaluation benchmarks (aime24, aime25, amc23, math500)")
+    eval_paths: dict[str, str] = option({}, "math: benchmark -> local file or folder (default: the hub id)")
+    chat_template: bool = option(True, "math: prompt with the tokenizer's chat template (false = raw prompt)")
+    max_response_tokens: int | None = option(None, "math: response limit in tokens (None = the task's default)")
+
+    def __post_init__(self) -> None:
+        _require(self.num_train >= 1 and self.num_eval >= 1, "task.num_train and task.num_eval must be >= 1")
+        _require(1 <= self.num_digits <= 9, f"task.num_digits={self.num_digits} must be in 1..9")
+        object.__setattr__(self, "eval_sets", tuple(self.eval_sets))
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation during training: greedy accuracy (tiny task) or Avg@k / Pass@k per benchmark."""
+
+    every: int = option(10, "evaluate every N steps (and at the end); 0 = only at the end")
+    size: int = option(256, "problems per evaluation (per benchmark)")
+    samples: int = option(1, "samples per problem (k of Avg@k / Pass@k); 1 = one greedy answer")
+    temperature: float = option(0.6, "sampling temperature when samples > 1")
+    top_p: float = option(0.95, "nucleus mass when samples > 1")
+    bf16: bool = option(False, "also evaluate in BF16 (eval/bf16/...) to separate training damage from FP8 noise")
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, f"eval.every={self.every} must be >= 0")
+        _require(self.size >= 1 and self.samples >= 1, "eval.size and eval.samples must be >= 1")
+        _require(self.temperature > 0 and 0 < self.top_p <= 1, "need eval.temperature > 0 and 0 < eval.top_p <= 1")
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised warm start of the tiny task's policy (cached by config hash); not used for checkpoints."""
+
+    steps: int = option(400, "SFT steps (0 = none)")
+    batch_size: int = option(256, "SFT batch")
+    lr: float = option(1e-3, "SFT learning rate (AdamW, constant)")
+    weight_decay: float = option(0.0, "SFT AdamW weight decay")
+    grad_clip: float = option(1.0, "SFT max global grad norm")
+    precision: str = option("bf16", "SFT compute precision: fp32 or bf16 autocast")
+    seed: int = option(0, "SFT seed (model init and batches)")
+    eval_batch_size: int = option(512, "prompts per greedy-decoding batch in the warm start's evaluation")
+    cache_dir: str = option(".cache/warmstart", "where warm starts are cached")
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, f"warmstart.steps={self.steps} must be >= 0")
+        _one_of(self.precision, ("fp32", "bf16"), "warmstart.precision")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The RL loop."""
+
+    steps: int = option(100, "RL steps")
+    seed: int = option(0, "seeds prompts, sampling and everything else")
+    checkpoint_every: int = option(10, "checkpoint every N steps; 0 = only at the end")
+    keep_checkpoints: int = option(2, "most recent checkpoints kept")
+    out_dir: str | None = option(None, "checkpoints and run files; None = outputs/runs/<run name>-<config hash>")
+    resume: bool = option(True, "continue from the newest checkpoint in out_dir (false: move it aside, start fresh)")
+    max_bad_steps: int = option(3, "stop after this many non-finite steps in a row")
+    shadow_every: int = option(0, "fp8_full: BF16 shadow diagnostics every N steps; 0 = calibration steps only")
+    log_ratio_histograms: bool = option(True, "log BF16-shadow vs FP8 ratio histograms on shadow steps")
+    threads: int = option(0, "torch intra-op threads; 0 = torch's default")
+    keep_freed_memory: bool = option(False, "glibc: keep freed buffers for reuse (fp8rl.malloc); speed only")
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "trainer.steps must be >= 1")
+        _require(self.checkpoint_every >= 0, f"trainer.checkpoint_every={self.checkpoint_every} must be >= 0")
+        _require(self.keep_checkpoints >= 1, f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 1")
+        _require(self.max_bad_steps >= 0, f"trainer.max_bad_steps={self.max_bad_steps} must be >= 0")
+        _require(self.shadow_every >= 0, "trainer.shadow_every must be >= 0")
+        _require(self.threads >= 0, "trainer.threads must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """MLflow tracking."""
+
+    enabled: bool = option(True, "false = no MLflow (tests)")
+    tracking_uri: str | None = option(None, "None = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir")
+    experiment: str = option("fp8rl", "MLflow experiment")
+    run_name: str | None = option(None, "MLflow run name (default: derived from the config)")
+    parent_run_id: str | None = option(None, "nest this run under a sweep's parent run")
+    tags: dict[str, str] = option({}, "extra tags (sweep axes)")
+    connect_timeout_s: float = option(10.0, "how long the store may take to answer before the run starts")
+    offline: bool = option(False, "store unreachable: train anyway, buffer locally, upload when it returns")
+
+    def __post_init__(self) -> None:
+        _require(self.connect_timeout_s > 0, "tracking.connect_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs."""
+
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    clipping: ClippingConfig = field(default_factory=ClippingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        check_combinations(self)
+
+
+def check_combinations(cfg: RunConfig) -> None:
+    """Rules that span sections (each section checks its own fields when it is built)."""
+    a, c, p = cfg.algo, cfg.clipping, cfg.precision
     low = c.init_low if c.init_low is not None else 1 - a.eps_low
     high = c.init_high if c.init_high is not None else 1 + a.eps_high
-    if not 0 < low < 1 < high:
-        raise ConfigError(f"clip bounds must satisfy 0 < low < 1 < high, got clipping.init_low={low}, init_high={high}")
+    bounds = f"clipping.init_low={low}, init_high={high}"
+    _require(0 < low < 1 < high, f"clip bounds must satisfy 0 < low < 1 < high, got {bounds}")
+    updates = a.num_minibatches * a.ppo_epochs
     if c.policy == "calibrated":
-        if a.num_minibatches * a.ppo_epochs < 2:
-            raise ConfigError(
-                "clipping.policy=calibrated compares ratios after an update: set algo.num_minibatches >= 2 "
-                "or algo.ppo_epochs >= 2"
-            )
-        if c.interval < 1:
-            raise ConfigError(f"clipping.interval={c.interval} must be >= 1")
-        if not 0 <= c.ema < 1:
-            raise ConfigError(f"clipping.ema={c.ema} must be in [0, 1)")
-        if p.mode != "fp8_full":
-            raise ConfigError(
-                "clipping.policy=calibrated aligns FP8 trainer ratios with BF16 ones: it needs precision.mode=fp8_full"
-            )
-    if c.rollout_correction.startswith("tis") and c.tis_cap <= 0:
-        raise ConfigError(f"clipping.tis_cap={c.tis_cap} must be > 0")
-    if c.rollout_correction.startswith("mis") and not 0 < c.mis_low < 1 < c.mis_high:
-        raise ConfigError("need 0 < clipping.mis_low < 1 < clipping.mis_high")
-    if p.mode == "bf16" and cfg.precision.fp8_kv_cache:
-        raise ConfigError("precision.fp8_kv_cache=true needs an FP8 precision.mode (fp8_rollout or fp8_full)")
-    if r.engine == "vllm":
-        from fp8rl.rollout.vllm_engine import VllmSupportError, check_vllm_support
-
-        try:
-            check_vllm_support(None if p.mode == "bf16" else p.recipe, p.fp8_kv_cache, cfg.model.device)
-        except VllmSupportError as err:
-            raise ConfigError(f"rollout.engine=vllm: {err}") from err
-    if p.backend == "te" and not cuda_available:
-        raise ConfigError(
-            "precision.backend=te (Transformer Engine) needs a CUDA GPU and none was found; "
-            "use precision.backend=emulated on CPU"
+        _require(
+            p.mode == "fp8_full",
+            "clipping.policy=calibrated aligns FP8 trainer ratios with BF16 ones: it needs precision.mode=fp8_full",
         )
-    if cfg.model.outlier_channels < 0 or cfg.model.outlier_channels > 128:
-        raise ConfigError(f"model.outlier_channels={cfg.model.outlier_channels} must be in 0..128 (0 = off)")
-    if cfg.model.outlier_channels and cfg.model.outlier_scale <= 1.0:
-        raise ConfigError(
-            f"model.outlier_scale={cfg.model.outlier_scale} with model.outlier_channels={cfg.model.outlier_channels}: "
-            "outliers need a factor above 1 (e.g. model.outlier_scale=32), or set model.outlier_channels=0"
+        _require(
+            updates >= 2,
+            "clipping.policy=calibrated compares ratios after an update: set algo.num_minibatches >= 2 "
+            "or algo.ppo_epochs >= 2",
         )
-    if cfg.model.device == "cuda" and not cuda_available:
-        raise ConfigError("model.device=cuda but no CUDA device was found; use model.device=cpu")
-    if cfg.model.device == "cpu" and cfg.model.preset != "tiny":
-        raise ConfigError(f"model.preset={cfg.model.preset} is a GPU-scale model; on this CPU use model.preset=tiny")
-    if cfg.model.device == "cuda" or any(v is not None for v in dataclasses.asdict(cfg.parallel).values()):
-        _check_parallel(cfg)
-    if r.temperature <= 0:
-        raise ConfigError(
-            "rollout.temperature must be > 0 for RL sampling (log-probs of a greedy policy are degenerate)"
+    _require(
+        not cfg.trainer.shadow_every or updates >= 2,
+        "trainer.shadow_every compares ratios after an update: set algo.num_minibatches >= 2",
+    )
+    _require(
+        cfg.model.device == "cuda" or p.backend == "emulated",
+        "precision.backend=te (Transformer Engine) runs on a CUDA GPU: set model.device=cuda, or use "
+        "precision.backend=emulated on CPU",
+    )
+    if cfg.task.name == "math":
+        _require(cfg.task.dataset is not None, "task.name=math needs task.dataset (dapo_math_17k or deepscaler)")
+        _require(
+            cfg.model.hf_path is not None,
+            "task.name=math prompts with the model's own tokenizer: set model.hf_path=<checkpoint folder or hub id>",
         )
-    if a.lr <= 0:
-        raise ConfigError(f"algo.lr={a.lr} must be > 0")
-    if cfg.trainer.shadow_every < 0:
-        raise ConfigError("trainer.shadow_every must be >= 0")
-    if cfg.trainer.shadow_every and (a.num_minibatches * a.ppo_epochs < 2):
-        raise ConfigError("trainer.shadow_every compares ratios after an update: set algo.num_minibatches >= 2")
-    if cfg.trainer.steps < 1:
-        raise ConfigError("trainer.steps must be >= 1")
-    return cfg
 
 
-def parallel_layout(cfg: RunConfig):
-    """The run's GPU layout: the model preset's (fp8rl.models.parallel) with `cfg.parallel` overrides."""
-    from fp8rl.models.parallel import preset_layout
-
-    return preset_layout(cfg.model.preset, **dataclasses.asdict(cfg.parallel))
-
-
-def _check_parallel(cfg: RunConfig) -> None:
-    from fp8rl.models.config import get_model_config
-    from fp8rl.models.parallel import ParallelLayoutError, check_layout
-
-    try:
-        check_layout(parallel_layout(cfg), get_model_config(cfg.model.preset))
-    except ParallelLayoutError as err:
-        raise ConfigError(str(err)) from err
-
-
+# ---------------------------------------------------------------------------------------------------- dicts
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain nested dict of the config (for hashing, logging and YAML)."""
     return dataclasses.asdict(cfg)
 
 
-# Fields that change where or how a run is stored, not what it computes: left out of the config hash.
-_HASH_EXCLUDED = ("tracking", "trainer.out_dir", "trainer.threads", "trainer.keep_freed_memory", "warmstart.cache_dir")
-# Sections and fields added after runs were published: they enter the hash only where set (not None), so
-# that adding them does not change the identity of finished runs (MLflow reuse in `fp8rl sweep`).
-_HASH_ONLY_WHEN_SET = ("parallel", "algo.resample_rounds")
-
-
-def config_hash(cfg: RunConfig) -> str:
-    """Identity of what a run computes (sweep idempotence): a hash of the resolved config.
-
-    Lives here, not in the trainer, so that the launcher can plan a sweep without importing torch.
-    """
-    flat = flatten(to_dict(cfg))
-    kept = {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in _HASH_EXCLUDED)}
-    kept = {k: v for k, v in kept.items() if v is not None or not _added_later(k)}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _added_later(key: str) -> bool:
-    return any(key == s or key.startswith(s + ".") for s in _HASH_ONLY_WHEN_SET)
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}."""
     out: dict[str, Any] = {}
     for key, value in d.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
+        if isinstance(value, Mapping) and value:
             out.update(flatten(value, name + "."))
         else:
             out[name] = value
     return out
 
 
-def from_dict(d: dict[str, Any]) -> RunConfig:
-    """Build a RunConfig from a nested dict (e.g. OmegaConf.to_container of the Hydra config)."""
-    sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+def section_types() -> dict[str, type]:
+    """Section name -> its config class."""
+    hints = get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
+
+
+def from_dict(d: Mapping[str, Any]) -> RunConfig:
+    """A RunConfig from a nested dict (e.g. OmegaConf.to_container of the Hydra config); unknown keys raise."""
+    sections = section_types()
     kwargs = {}
     for name, value in d.items():
         if name not in sections:
             raise ConfigError(f"unknown config section {name!r}; valid sections: {sorted(sections)}")
-        section_cls = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}[name]().__class__
-        known = {f.name for f in dataclasses.fields(section_cls)}
-        unknown = set(value) - known
-        if unknown:
-            raise ConfigError(f"unknown field(s) {sorted(unknown)} in section {name!r}; valid: {sorted(known)}")
-        kwargs[name] = section_cls(**value)
+        kwargs[name] = _section_from_dict(sections[name], name, value or {})
     return RunConfig(**kwargs)
+
+
+def _section_from_dict(cls: type, name: str, values: Mapping[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"unknown field(s) {sorted(unknown)} in section {name!r}; valid: {sorted(known)}")
+    hints = get_type_hints(cls)
+    coerced = {k: tuple(v) if _is_tuple(hints[k]) and isinstance(v, list) else v for k, v in values.items()}
+    return cls(**coerced)
+
+
+def _is_tuple(hint: Any) -> bool:
+    return get_origin(hint) is tuple or any(get_origin(a) is tuple for a in get_args(hint))
+
+
+def with_overrides(cfg: RunConfig, changes: Mapping[str, Any]) -> RunConfig:
+    """A copy of `cfg` with dotted-path changes, e.g. ``{"trainer.steps": 2, "algo.lr": 1e-4}`` (checked)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for dotted, value in changes.items():
+        section, _, name = dotted.partition(".")
+        if section not in section_types() or not name:
+            raise ConfigError(f"{dotted!r} is not <section>.<field>; sections: {sorted(section_types())}")
+        sections.setdefault(section, {})[name] = value
+    replaced = {}
+    for section, values in sections.items():
+        current = getattr(cfg, section)
+        known = {f.name for f in dataclasses.fields(current)}
+        unknown = set(values) - known
+        if unknown:
+            raise ConfigError(f"unknown field(s) {sorted(unknown)} in section {section!r}; valid: {sorted(known)}")
+        replaced[section] = dataclasses.replace(current, **values)
+    return dataclasses.replace(cfg, **replaced)
+
+
+# ---------------------------------------------------------------------------------------------------- identity
+# Fields that change where or how a run is stored or how fast it runs, not what it computes.
+HASH_EXCLUDED = (
+    "tracking",
+    "trainer.out_dir",
+    "trainer.resume",
+    "trainer.threads",
+    "trainer.keep_freed_memory",
+    "warmstart.cache_dir",
+    "warmstart.eval_batch_size",
+)
+# Fields added after runs were published, with the value that reproduces the behaviour from before they
+# existed: at that value they are left out of the hash, so finished runs keep their identity.
+HASH_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "parallel.": (None,),
+    "algo.resample_rounds": (None, 0),
+    "precision.amax_history_len": (16,),
+    "precision.amax_compute_algo": ("max",),
+    "precision.margin": (0,),
+    "model.hf_path": (None,),
+    "task.dataset": (None,),
+    "task.path": (None,),
+    "task.split": (None,),
+    "task.eval_sets": ((), []),
+    "task.eval_paths": ({},),
+    "task.chat_template": (True,),
+    "task.max_response_tokens": (None,),
+    "eval.samples": (1,),
+    "eval.temperature": (0.6,),
+    "eval.top_p": (0.95,),
+    "eval.bf16": (False,),
+    "warmstart.weight_decay": (0.0,),
+    "warmstart.grad_clip": (1.0,),
+    "warmstart.precision": ("bf16",),
+}
+# Fields renamed since runs were published: hashed under their old name.
+HASH_LEGACY_NAMES = {"eval.every": "trainer.eval_every", "eval.size": "trainer.eval_size"}
+
+
+def hash_view(cfg: RunConfig) -> dict[str, Any]:
+    """The flat fields that define what a run computes, under the names finished runs were hashed with."""
+    flat = flatten(to_dict(cfg))
+    view = {}
+    for key, value in flat.items():
+        if any(key == e or key.startswith(e + ".") for e in HASH_EXCLUDED):
+            continue
+        neutral = next((v for k, v in HASH_NEUTRAL.items() if key == k or (k.endswith(".") and key.startswith(k))), ())
+        if _is_neutral(value, neutral):
+            continue
+        view[HASH_LEGACY_NAMES.get(key, key)] = list(value) if isinstance(value, tuple) else value
+    return view
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return any(value == n and type(value) is type(n) or (value is None and n is None) for n in neutral)
+
+
+def from_params(params: Mapping[str, str]) -> RunConfig:
+    """A RunConfig from the flat string params an MLflow run holds (also those logged before fields were
+    renamed: `HASH_LEGACY_NAMES`), e.g. to recompute a published run's config hash."""
+    legacy = {old: new for new, old in HASH_LEGACY_NAMES.items()}
+    nested: dict[str, dict[str, Any]] = {}
+    sections = section_types()
+    for key, text in params.items():
+        section, _, name = legacy.get(key, key).partition(".")
+        if section not in sections:
+            raise ConfigError(f"param {key!r} is not <section>.<field>")
+        if section == "tracking" and name.startswith("tags."):
+            nested.setdefault(section, {}).setdefault("tags", {})[name.removeprefix("tags.")] = text
+            continue
+        hint = get_type_hints(sections[section]).get(name)
+        if hint is None:
+            raise ConfigError(f"param {key!r}: section {section!r} has no field {name!r}")
+        nested.setdefault(section, {})[name] = _parse_param(text, hint)
+    return from_dict(nested)
+
+
+def _parse_param(text: str, hint: Any) -> Any:
+    """A param's string back into the field's type (MLflow stores str(value))."""
+    import ast
+
+    if text == "None":
+        return None
+    kinds = [a for a in get_args(hint) if a is not type(None)] or [hint]
+    kind = get_origin(kinds[0]) or kinds[0]
+    if kind is bool:
+        return text == "True"
+    if kind in (int, float):
+        return kind(text)
+    if kind in (tuple, dict, list):
+        return ast.literal_eval(text)
+    return text
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Identity of what a run computes (sweeps skip finished runs by it; the default run folder uses it)."""
+    return hashlib.sha256(json.dumps(hash_view(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def default_run_name(cfg: RunConfig) -> str:
+    """``<algo>-<precision>[-<recipe>]-<clipping>-s<seed>``."""
+    p = cfg.precision
+    precision = p.mode if p.mode == "bf16" else f"{p.mode}-{p.recipe}"
+    return f"{cfg.algo.name}-{precision}-{cfg.clipping.policy}-s{cfg.trainer.seed}"
+
+
+def run_dir(cfg: RunConfig) -> str:
+    """Where the run keeps its checkpoints and files: trainer.out_dir, else one folder per config hash, so
+    that the same command continues the same run."""
+    return cfg.trainer.out_dir or f"outputs/runs/{default_run_name(cfg)}-{config_hash(cfg)}"

@@ -1,5 +1,6 @@
-"""Suite-wide pytest setup: the `gpu` marker skips (with a reason) where no CUDA device exists; small,
-fast run configs shared by the trainer and rollout tests (a short warm start cached once per session)."""
+"""Suite-wide pytest setup: the `gpu` marker skips (with a reason) where no CUDA device exists; megatron's
+process state for the tests that build models; small, fast run configs shared by the trainer and rollout
+tests (a short warm start cached once per session)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8rl.config import RunConfig
+from fp8rl.config import RunConfig, with_overrides
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -33,25 +34,41 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 @pytest.fixture(scope="session")
+def megatron() -> None:
+    """megatron's process state (one rank, TP = PP = 1), as a job sets it up before building models."""
+    from fp8rl.models.runtime import init_megatron
+
+    init_megatron()
+
+
+@pytest.fixture(scope="session")
 def warmstart_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("warmstart")
 
 
+SMALL = {  # 4 prompts x 4 samples, 2 mini-batches, 30-step warm start, no MLflow
+    "warmstart.steps": 30,
+    "warmstart.batch_size": 64,
+    "task.num_eval": 32,
+    "trainer.steps": 2,
+    "eval.size": 16,
+    "eval.every": 0,
+    "trainer.checkpoint_every": 1,
+    "algo.prompts_per_step": 4,
+    "algo.group_size": 4,
+    "algo.num_minibatches": 2,
+    "tracking.enabled": False,
+}
+
+
 @pytest.fixture
-def small_cfg(warmstart_cache: Path, tmp_path: Path) -> RunConfig:
-    """4 prompts x 4 samples, 2 mini-batches, 30-step warm start, no MLflow."""
-    cfg = RunConfig()
-    cfg.warmstart.steps = 30
-    cfg.warmstart.batch_size = 64
-    cfg.warmstart.cache_dir = str(warmstart_cache)
-    cfg.task.num_eval = 32
-    cfg.trainer.steps = 2
-    cfg.trainer.eval_size = 16
-    cfg.trainer.eval_every = 0
-    cfg.trainer.checkpoint_every = 1
-    cfg.trainer.out_dir = str(tmp_path / "run")
-    cfg.algo.prompts_per_step = 4
-    cfg.algo.group_size = 4
-    cfg.algo.num_minibatches = 2
-    cfg.tracking.enabled = False
-    return cfg
+def small_cfg(megatron: None, warmstart_cache: Path, tmp_path: Path) -> RunConfig:
+    """`SMALL` with a shared warm-start cache and a run folder of the test's own."""
+    places = {"warmstart.cache_dir": str(warmstart_cache), "trainer.out_dir": str(tmp_path / "run")}
+    return with_overrides(RunConfig(), {**SMALL, **places})
+
+
+@pytest.fixture
+def sqlite_uri(tmp_path: Path) -> str:
+    """A fresh sqlite MLflow store in the test's folder."""
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -35,14 +35,20 @@ def test_pure_maths_imports_only_torch_numpy_and_itself(package: str) -> None:
             assert allowed, f"fp8rl/{path} imports {module}"
 
 
+ABOVE_MODELS = ("fp8rl.trainer", "fp8rl.job", "fp8rl.launch", "fp8rl.tracking", "fp8rl.config", "fp8rl.choices")
+
+
 @pytest.mark.parametrize(
     ("package", "forbidden"),
     [
-        ("models", ("fp8rl.trainer", "fp8rl.tracking", "hydra", "mlflow", "submitit")),
-        ("rollout", ("fp8rl.trainer", "fp8rl.tracking", "hydra", "mlflow", "submitit")),
-        ("trainer", ("hydra", "submitit", "fp8rl.train")),
-        ("tasks", ("fp8rl.trainer", "fp8rl.models", "hydra", "mlflow")),
-        ("tracking", ("fp8rl.trainer", "fp8rl.algos", "fp8rl.quant")),
+        ("models", (*ABOVE_MODELS, "hydra", "mlflow", "submitit")),
+        ("rollout", (*ABOVE_MODELS, "hydra", "mlflow", "submitit")),
+        ("trainer", ("hydra", "submitit", "mlflow", "fp8rl.train", "fp8rl.job", "fp8rl.launch", "fp8rl.report")),
+        ("tasks", ("fp8rl.trainer", "fp8rl.models", "fp8rl.job", "hydra", "mlflow")),
+        ("tracking", ("fp8rl.trainer", "fp8rl.job", "fp8rl.launch", "fp8rl.algos", "fp8rl.quant", "fp8rl.models")),
+        ("report", ("fp8rl.launch", "fp8rl.job")),
+        ("studies", ("fp8rl.launch",)),
+        ("job", ("fp8rl.launch", "fp8rl.report", "hydra", "submitit")),
     ],
 )
 def test_dependency_directions(package: str, forbidden: tuple[str, ...]) -> None:
@@ -50,6 +56,23 @@ def test_dependency_directions(package: str, forbidden: tuple[str, ...]) -> None
         for module in modules:
             hits = [f for f in forbidden if module == f or module.startswith(f + ".")]
             assert not hits, f"fp8rl/{path} imports {module}"
+
+
+def test_the_config_imports_nothing_else_from_fp8rl() -> None:
+    path = PACKAGE / "config.py"
+    tree = ast.parse(path.read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in imported if m.startswith("fp8rl")], imported
+
+
+def test_only_the_job_builds_a_trainer() -> None:
+    """The job builds the parts and hands them to the trainer: nothing else in the package constructs one."""
+    for path in PACKAGE.rglob("*.py"):
+        if "job" in path.relative_to(PACKAGE).parts:
+            continue
+        text = path.read_text()
+        assert "RLTrainer(" not in text or path.name == "loop.py", f"fp8rl/{path.relative_to(PACKAGE)} builds a trainer"
 
 
 def test_readme_option_tables_are_generated_from_the_configs() -> None:

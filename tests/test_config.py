@@ -1,57 +1,97 @@
-"""Config validation: impossible combinations fail before anything is built, saying what to change."""
+"""The run config: impossible combinations and unknown names fail when the config is built, saying what to
+change; one source for every default; config hashes of published runs stay valid."""
 
 from __future__ import annotations
 
+import dataclasses
+import glob
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 
-from fp8rl.config import ConfigError, RunConfig, flatten, from_dict, to_dict, validate
+from fp8rl.choices import validated
+from fp8rl.config import (
+    ConfigError,
+    RunConfig,
+    config_hash,
+    flatten,
+    from_dict,
+    from_params,
+    run_dir,
+    to_dict,
+    with_overrides,
+)
 
-SWEEPS = Path(__file__).resolve().parents[1] / "sweeps"
-
-
-def _cfg(**changes: object) -> RunConfig:
-    cfg = RunConfig()
-    for dotted, value in changes.items():
-        section, field = dotted.split("__")
-        setattr(getattr(cfg, section), field, value)
-    return cfg
+ROOT = Path(__file__).resolve().parents[1]
+SWEEPS = ROOT / "sweeps"
 
 
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"clipping__policy": "calibrated"}, "precision.mode=fp8_full"),
-        (
-            {"precision__mode": "fp8_full", "clipping__policy": "calibrated", "algo__num_minibatches": 1},
-            "num_minibatches",
-        ),
-        ({"algo__prompts_per_step": 30, "algo__num_minibatches": 4}, "divisible"),
-        ({"algo__prompts_per_step": 6, "algo__group_size": 4, "algo__num_minibatches": 4}, "splits groups"),
-        ({"precision__recipe": "fp16"}, "precision.recipe"),
-        ({"precision__recipe": "blockwise", "precision__scaling": "delayed"}, "tensorwise"),
-        ({"precision__backend": "te"}, "CUDA"),
-        ({"model__preset": "qwen3_8b"}, "model.preset=tiny"),
-        ({"algo__eps_low": 1.5}, "eps_low"),
-        ({"clipping__init_low": 1.1}, "init_low"),
-        ({"rollout__temperature": 0.0}, "temperature"),
-        ({"precision__fp8_kv_cache": True}, "fp8_kv_cache"),
-        ({"algo__group_size": 1}, "group_size"),
+        ({"clipping.policy": "calibrated"}, "precision.mode=fp8_full"),
+        ({"precision.mode": "fp8_full", "clipping.policy": "calibrated", "algo.num_minibatches": 1}, "num_minibatches"),
+        ({"algo.prompts_per_step": 30, "algo.num_minibatches": 4}, "divisible"),
+        ({"algo.prompts_per_step": 6, "algo.group_size": 4, "algo.num_minibatches": 4}, "splits groups"),
+        ({"algo.num_minibatches": 0}, "num_minibatches=0 must be >= 1"),
+        ({"algo.prompts_per_step": 0}, "prompts_per_step=0 must be >= 1"),
+        ({"precision.recipe": "blockwise", "precision.scaling": "delayed"}, "tensorwise"),
+        ({"precision.backend": "te"}, "model.device=cuda"),
+        ({"algo.eps_low": 1.5}, "eps_low"),
+        ({"clipping.init_low": 1.1}, "init_low"),
+        ({"rollout.temperature": 0.0}, "temperature"),
+        ({"precision.fp8_kv_cache": True}, "fp8_kv_cache"),
+        ({"algo.group_size": 1}, "group_size"),
+        ({"algo.resample_rounds": 2}, "dynamic_sampling"),
+        ({"trainer.steps": 0}, "trainer.steps"),
+        ({"task.name": "math"}, "task.dataset"),
     ],
 )
 def test_invalid_combinations_raise_with_advice(changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
-        validate(_cfg(**changes))
+        with_overrides(RunConfig(), changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"algo.advantage": "grpoo"}, "algo.advantage='grpoo' is not valid; choose one of"),
+        ({"algo.policy_loss": "xyz"}, "algo.policy_loss='xyz'"),
+        ({"algo.kl_type": "k9"}, "algo.kl_type='k9'"),
+        ({"algo.loss_agg": "sum"}, "algo.loss_agg='sum'"),
+        ({"task.name": "nope"}, "task.name='nope'"),
+        ({"model.preset": "qwen9"}, "model.preset='qwen9'"),
+        ({"precision.mode": "fp8_full", "precision.recipe": "fp16"}, "precision.recipe='fp16'"),
+        ({"clipping.rollout_correction": "tis"}, "clipping.rollout_correction='tis'"),
+        ({"rollout.engine": "sglang"}, "rollout.engine='sglang'"),
+        ({"model.preset": "qwen3_8b"}, "model.preset=qwen3_8b is a GPU-scale model"),
+        ({"task.operations": "/"}, "task.operations"),
+    ],
+)
+def test_unknown_registry_names_are_refused_with_the_valid_ones(changes: dict, message: str) -> None:
+    cfg = with_overrides(RunConfig(), changes)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")) as err:
+        validated(cfg)
+    assert "[" in str(err.value) or "GPU-scale" in str(err.value) or "subset" in str(err.value)
+
+
+def test_icepop_is_a_valid_rollout_correction() -> None:
+    validated(with_overrides(RunConfig(), {"clipping.rollout_correction": "icepop"}))
 
 
 def test_defaults_are_valid_and_round_trip() -> None:
-    cfg = validate(RunConfig())
+    cfg = validated(RunConfig())
     assert from_dict(to_dict(cfg)) == cfg
     assert flatten({"a": {"b": 1, "c": {"d": 2}}}) == {"a.b": 1, "a.c.d": 2}
+    assert dataclasses.is_dataclass(cfg) and cfg.__dataclass_params__.frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.trainer.steps = 3  # type: ignore[misc]
 
 
 def test_unknown_field_is_refused() -> None:
@@ -59,40 +99,117 @@ def test_unknown_field_is_refused() -> None:
     data["algo"]["eps"] = 0.1
     with pytest.raises(ConfigError, match="unknown field"):
         from_dict(data)
+    with pytest.raises(ConfigError, match="unknown field"):
+        with_overrides(RunConfig(), {"algo.eps": 0.1})
 
 
-GROUPS = {
-    "algo": ["grpo", "dapo"],
-    "precision": ["bf16", "fp8_rollout", "fp8_full"],
-    "recipe": ["tensorwise", "rowwise", "blockwise", "mxfp8"],
-    "clipping": ["standard", "tis", "calibrated"],
-}
+# ---------------------------------------------------------------------------------------------- one source
+GROUPS = ("algo", "precision", "recipe", "clipping", "rollout", "model", "task")
 
 
-@pytest.mark.parametrize("algo", GROUPS["algo"])
-@pytest.mark.parametrize("precision", GROUPS["precision"])
-@pytest.mark.parametrize("clipping", GROUPS["clipping"])
-def test_every_group_combination_composes_and_validates_or_explains(algo: str, precision: str, clipping: str) -> None:
-    from fp8rl.train import resolve
-
-    overrides = [f"algo={algo}", f"precision={precision}", f"clipping={clipping}", "trainer.out_dir=/tmp/x"]
+def _composed(overrides: list[str]) -> RunConfig:
     with initialize_config_dir(config_dir=str(SWEEPS), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+        from fp8rl.train import resolve
+
+        return resolve(compose(config_name="config", overrides=overrides))
+
+
+def test_the_composed_default_config_is_the_dataclass_default() -> None:
+    assert _composed([]) == RunConfig()
+
+
+@pytest.mark.parametrize("path", sorted(p for g in GROUPS for p in (SWEEPS / g).glob("*.yaml")), ids=lambda p: p.stem)
+def test_no_group_file_restates_a_python_default(path: Path) -> None:
+    """A group file only overrides what differs from the dataclass defaults: a restated default is a second
+    source that drifts (as clipping.ema once did, 0.0 in Python and 0.5 in YAML)."""
+    values = yaml.safe_load(path.read_text()) or {}
+    package = path.read_text().splitlines()[0].removeprefix("# @package ").strip()
+    defaults = flatten(to_dict(RunConfig()))
+    restated = {k: v for k, v in flatten({package: values}).items() if k in defaults and defaults[k] == v}
+    assert not restated, f"{path.relative_to(ROOT)} restates defaults {restated}: drop them"
+
+
+def test_algorithm_library_defaults_agree_with_the_config() -> None:
+    """The algos classes the trainer builds from the config have no defaults of their own that disagree."""
+    from fp8rl.algos import CalibratedClipBounds
+    from fp8rl.algos.corrections import DEFAULT_MIS_HIGH, DEFAULT_MIS_LOW, DEFAULT_TIS_CAP
+    from fp8rl.algos.policy_loss import DEFAULT_DUAL_CLIP_C
+
+    cfg = RunConfig()
+    cc = {f.name: f.default for f in dataclasses.fields(CalibratedClipBounds)}
+    assert (cc["interval"], cc["ema"], cc["lower_bound_only"]) == (
+        cfg.clipping.interval,
+        cfg.clipping.ema,
+        cfg.clipping.lower_only,
+    )
+    assert (cc["eps_low"], cc["eps_high"]) == (cfg.algo.eps_low, cfg.algo.eps_high)
+    assert (DEFAULT_TIS_CAP, DEFAULT_MIS_LOW, DEFAULT_MIS_HIGH) == (
+        cfg.clipping.tis_cap,
+        cfg.clipping.mis_low,
+        cfg.clipping.mis_high,
+    )
+    assert cfg.algo.dual_clip_c == DEFAULT_DUAL_CLIP_C
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dapo"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_rollout", "fp8_full"])
+@pytest.mark.parametrize("clipping", ["standard", "tis", "calibrated"])
+def test_every_group_combination_composes_and_validates_or_explains(algo: str, precision: str, clipping: str) -> None:
+    overrides = [f"algo={algo}", f"precision={precision}", f"clipping={clipping}"]
     if clipping == "calibrated" and precision != "fp8_full":
         with pytest.raises(ConfigError, match="fp8_full"):
-            resolve(cfg)
+            _composed(overrides)
     else:
-        run_cfg = resolve(cfg)
+        run_cfg = _composed(overrides)
         assert run_cfg.algo.name == algo and run_cfg.precision.mode == precision
 
 
-def test_cli_exits_2_with_message_before_building_anything(tmp_path: Path) -> None:
+# ---------------------------------------------------------------------------------------------- identity
+def test_config_hash_ignores_where_a_run_is_stored_but_not_what_it_computes() -> None:
+    a = RunConfig()
+    b = with_overrides(a, {"trainer.out_dir": "/elsewhere", "tracking.experiment": "other", "trainer.threads": 2})
+    assert config_hash(a) == config_hash(b)
+    assert config_hash(a) != config_hash(with_overrides(a, {"algo.lr": 3e-5}))
+
+
+def test_the_default_run_folder_is_derived_from_the_config_hash() -> None:
+    cfg = RunConfig()
+    assert run_dir(cfg) == f"outputs/runs/grpo-bf16-standard-s0-{config_hash(cfg)}"
+    assert run_dir(with_overrides(cfg, {"trainer.out_dir": "x"})) == "x"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "results/*/*.runs.json"))), ids=lambda p: Path(p).name)
+def test_published_runs_keep_their_config_hash(path: str) -> None:
+    """Every run in results/ recomputes to the hash MLflow recorded for it, from its logged params
+    (legacy field names mapped): sweeps keep recognising finished runs after a schema change."""
+    runs = json.loads(Path(path).read_text())["runs"]
+    assert runs
+    for run in runs:
+        assert config_hash(from_params(run["config"])) == run["tags"]["fp8rl.config_hash"], run["run_name"]
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["precision=bf16", "clipping=calibrated"], "needs precision.mode=fp8_full"),
+        (["algo.advantage=grpoo"], "algo.advantage='grpoo' is not valid"),
+        (["task.name=nope"], "task.name='nope' is not valid"),
+        (["algo.num_minibatches=0"], "algo.num_minibatches=0 must be >= 1"),
+        (["model.preset=qwen9"], "model.preset='qwen9' is not valid"),
+        (["warmstart.cache_dir=/no/such/folder"], "warmstart.cache_dir=/no/such/folder does not exist"),
+    ],
+)
+def test_cli_exits_2_with_message_before_building_anything(tmp_path: Path, overrides: list[str], message: str) -> None:
+    started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "fp8rl.train", "precision=bf16", "clipping=calibrated", f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "-m", "fp8rl.train", *overrides, f"trainer.out_dir={tmp_path / 'run'}"],
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=tmp_path,
     )
-    assert proc.returncode == 2
-    assert "needs precision.mode=fp8_full" in proc.stderr
-    assert not (tmp_path / "checkpoints").exists()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "mlflow.db").exists()
+    assert time.monotonic() - started < 60

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from fp8rl import malloc
-from fp8rl.config import RunConfig, config_hash
+from fp8rl.config import RunConfig, config_hash, with_overrides
 
 
 def test_glibc_accepts_both_settings_and_provenance_says_so():
@@ -33,6 +33,5 @@ def test_a_fresh_process_starts_with_glibc_defaults():
 
 def test_the_setting_is_speed_only_and_leaves_the_config_hash_alone():
     cfg = RunConfig()
-    on = RunConfig()
-    on.trainer.keep_freed_memory = not cfg.trainer.keep_freed_memory
+    on = with_overrides(cfg, {"trainer.keep_freed_memory": not cfg.trainer.keep_freed_memory})
     assert config_hash(cfg) == config_hash(on)

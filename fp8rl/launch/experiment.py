@@ -11,17 +11,16 @@ point that does not compose carries its error, and the sweep runner reports all 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8rl.compose import SWEEPS_DIR, compose, hydra_context, sweeper_params
 from fp8rl.config import ConfigError, RunConfig, from_dict
 
-SWEEPS_DIR = Path(__file__).resolve().parents[2] / "sweeps"
 SCALES = ("tiny", "paper")
-_OUT_DIR_PLACEHOLDER = "<set by the sweep runner>"
 
 
 @dataclass
@@ -76,12 +75,12 @@ def expand_experiment(
         raise ConfigError(f"scale={scale!r} is not valid; choose one of {list(SCALES)}")
     selection = [f"experiment={experiment}", *([f"scale={scale}"] if scale else [])]
     base, cli_sweeps = _split_sweeps(overrides)
-    with _hydra(sweeps_dir):
+    with hydra_context(sweeps_dir):
         # As Hydra's BasicSweeper: the file's params first, the command line after it (a plain override
         # of a swept key pins it, a command-line sweep of it replaces the file's list); the experiment
         # selection stays in front.
         replaced = {_key(o) for o in cli_sweeps}
-        params = [f"{k}={v}" for k, v in _sweeper_params([*selection, *base]).items() if k not in replaced]
+        params = [f"{k}={v}" for k, v in sweeper_params([*selection, *base]).items() if k not in replaced]
         grid = _cartesian([*selection, *params, *base, *cli_sweeps])
         pinned = {_key(o) for o in base}
         axes = [k for k in dict.fromkeys(_key(o) for o in [*params, *cli_sweeps]) if k not in pinned]
@@ -96,7 +95,7 @@ def expand_points(
     """An explicit list of points (each a list of overrides) on top of shared `base_overrides`."""
     keyed = [{_key(o): o.split("=", 1)[1] for o in point} for point in points]
     axes = [k for k in dict.fromkeys(k for p in keyed for k in p) if len({p.get(k) for p in keyed}) > 1]
-    with _hydra(sweeps_dir):
+    with hydra_context(sweeps_dir):
         composed = [_compose_point([*base_overrides, *point], axes) for point in points]
     for point in composed:  # a point that leaves an axis at its default still gets a value (tags, labels)
         point.axes = {k: point.axes.get(k) or _default_value(point, k) for k in axes}
@@ -126,63 +125,32 @@ def _split_sweeps(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _cartesian(overrides: list[str]) -> list[list[str]]:
-    """BasicSweeper's expansion (later keys win, sweeps become products)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    """The cartesian product of sweep overrides, as Hydra's BasicSweeper expands them, through Hydra's public
+    override parser: a later override of a key replaces the earlier one's values in its first position; each
+    sweep's values become an axis."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    (batch,) = BasicSweeper.split_arguments(parsed, max_batch_size=None)
-    return batch
+    by_key: dict[str, list[str]] = {}
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            values = list(override.sweep_string_iterator())
+        else:
+            values = [override.get_value_element_as_str()]
+        by_key[key] = [f"{key}={value}" for value in values]
+    return [list(point) for point in itertools.product(*by_key.values())]
 
 
 def _key(override: str) -> str:
     return override.split("=", 1)[0]
 
 
-@contextlib.contextmanager
-def _hydra(sweeps_dir: Path) -> Iterator[None]:
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    import fp8rl.train  # noqa: F401 - registers the RunConfig schema (run_config_schema) in the ConfigStore
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(sweeps_dir), version_base="1.3"):
-        yield
-
-
-def _sweeper_params(overrides: list[str]) -> dict[str, str]:
-    from hydra import compose
-
-    cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    return dict(cfg.hydra.sweeper.params or {})
-
-
 def _compose_point(overrides: list[str], axes: list[str]) -> SweepPoint:
     values = {_key(o): o.split("=", 1)[1] for o in overrides}
     point = SweepPoint(overrides=list(overrides), axes={k: values[k] for k in axes if k in values})
     try:
-        container, point.choices = _compose(overrides)
+        container, point.choices = compose(overrides)
         point.cfg = from_dict(container)
     except Exception as err:  # noqa: BLE001 - Hydra raises many types; the message is what the user needs
         point.error = f"{type(err).__name__}: {err}"
     return point
-
-
-def _compose(overrides: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Compose and resolve one point; ``${hydra:...}`` interpolations resolve as in a real run."""
-    from hydra import compose
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
-
-    cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    choices = {k: str(v) for k, v in cfg.hydra.runtime.choices.items() if v is not None and not k.startswith("hydra/")}
-    HydraConfig.instance().set_config(cfg)
-    try:
-        with open_dict(cfg):
-            del cfg["hydra"]
-            cfg.trainer.out_dir = _OUT_DIR_PLACEHOLDER
-        container = OmegaConf.to_container(cfg, resolve=True)
-    finally:
-        HydraConfig.instance().cfg = None
-    return container, choices  # type: ignore[return-value]

@@ -143,7 +143,7 @@ def gpu_requirements(cfg: RunConfig) -> list[str]:
 
 
 def _vllm_cpu_gaps(cfg: RunConfig) -> list[str]:
-    """What of the vLLM rollout's FP8 settings vLLM's CPU build cannot run (imported only for vLLM configs)."""
+    """What of the vLLM rollout's FP8 settings vLLM's CPU build cannot run."""
     from fp8rl.rollout.vllm_engine import VllmSupportError, check_vllm_support
 
     recipe = None if cfg.precision.mode == "bf16" else cfg.precision.recipe
@@ -167,10 +167,11 @@ def check_fits(cfg: RunConfig, launcher: Launcher) -> None:
 
 
 def check_slurm_layout(cfg: RunConfig, launcher: Launcher) -> None:
-    """The job's nodes x GPUs (profile) must be what the run's parallel layout expects."""
-    from fp8rl.config import parallel_layout
+    """The job's nodes x GPUs (profile) must be what the run's parallel layout expects, and the layout must
+    fit the model and the GPUs (`fp8rl.preflight.run_layout`)."""
+    from fp8rl.preflight import layout_for, run_layout
 
-    layout = parallel_layout(cfg)
+    layout = layout_for(cfg, world_size=1)
     nodes = int(launcher.params.get("nodes") or 1)
     gpus = int(launcher.params.get("gpus_per_node") or 0)
     tasks = int(launcher.params.get("tasks_per_node") or 1)
@@ -181,3 +182,4 @@ def check_slurm_layout(cfg: RunConfig, launcher: Launcher) -> None:
             f"profile {launcher.profile} gives nodes={nodes}, gpus_per_node={gpus}, tasks_per_node={tasks}: pass "
             f"--set nodes={layout.nodes} or set parallel.nodes / parallel.gpus_per_node to match the profile"
         )
+    run_layout(cfg, world_size=nodes * gpus)

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -27,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8rl.config import ConfigError, RunConfig, config_hash, to_dict, validate
-from fp8rl.launch import runs
+from fp8rl.choices import validated
+from fp8rl.config import ConfigError, RunConfig, config_hash, to_dict, with_overrides
 from fp8rl.launch.experiment import SweepDefinition, SweepPoint, axis_tag, expand_experiment, expand_points
-from fp8rl.launch.launchers import Launcher, check_fits, gpu_requirements, make_executor, resolve_launcher
+from fp8rl.launch.launchers import Launcher, check_fits, make_executor, resolve_launcher
+from fp8rl.tracking import store
 
 DEFAULT_ROOT = Path("outputs/sweeps")
 LIVE_SLURM_STATES = (
@@ -112,7 +112,7 @@ def run_sweep(req: SweepRequest, console: Any | None = None) -> SweepReport:
     definition = define(req)
     launcher = resolve_launcher(req.launcher, req.profile, req.launcher_overrides, req.max_parallel)
     name = req.name or _default_name(definition)
-    uri = runs.absolute_tracking_uri(req.tracking_uri or _first_cfg(definition).tracking.tracking_uri)
+    uri = store.absolute_tracking_uri(req.tracking_uri or _first_cfg(definition).tracking.tracking_uri)
     planned = prepare(definition, name, launcher, uri, req.root)
     report = SweepReport(name, uri, launcher.describe(), planned, dry_run=req.dry_run)
     mark_existing(report, create=not req.dry_run, definition=definition)
@@ -164,24 +164,28 @@ def _prepare_point(
 ) -> PlannedRun:
     if point.cfg is None:
         raise ConfigError(f"does not compose: {point.error}")
-    cfg = copy.deepcopy(point.cfg)
-    t = cfg.tracking
-    t.tracking_uri, t.experiment, t.run_name = uri, name, point.label if point.axes else None
-    t.tags = {
-        **t.tags,
-        runs.SWEEP_TAG: name,
+    cfg = point.cfg
+    tags = {
+        **cfg.tracking.tags,
+        store.SWEEP_TAG: name,
         "fp8rl.experiment": definition.experiment or "",
         "fp8rl.scale": definition.scale or "",
         "fp8rl.point": point.label,
         **{axis_tag(k): v for k, v in point.axes.items()},
     }
+    changes = {
+        "tracking.tracking_uri": uri,
+        "tracking.experiment": name,
+        "tracking.run_name": point.label if point.axes else None,
+        "tracking.tags": tags,
+        "warmstart.cache_dir": str(Path(cfg.warmstart.cache_dir).resolve()),
+    }
     if launcher.cpus_per_task and not cfg.trainer.threads:
-        cfg.trainer.threads = launcher.cpus_per_task
+        changes["trainer.threads"] = launcher.cpus_per_task
+    cfg = validated(with_overrides(cfg, changes))
     check_fits(cfg, launcher)
-    validate(cfg, cuda_available=bool(gpu_requirements(cfg)))
     digest = config_hash(cfg)
-    cfg.trainer.out_dir = str((root / _safe(name) / digest).resolve())
-    cfg.warmstart.cache_dir = str(Path(cfg.warmstart.cache_dir).resolve())
+    cfg = with_overrides(cfg, {"trainer.out_dir": str((root / _safe(name) / digest).resolve())})
     return PlannedRun(point, cfg, digest)
 
 
@@ -205,13 +209,13 @@ def _safe(name: str) -> str:
 # ------------------------------------------------------------------------------------------------ what exists
 def mark_existing(report: SweepReport, create: bool, definition: SweepDefinition) -> None:
     """Find the sweep's MLflow experiment and parent run; mark finished / resumable points."""
-    if not create and not runs.store_exists(report.tracking_uri):
+    if not create and not store.store_exists(report.tracking_uri):
         return  # a dry run creates nothing, not even an empty sqlite store
-    mlflow_client = runs.client(report.tracking_uri)
-    report.experiment_id = runs.experiment_id(mlflow_client, report.name, create=create)
+    mlflow_client = store.client(report.tracking_uri)
+    report.experiment_id = store.experiment_id(mlflow_client, report.name, create=create)
     if report.experiment_id is None:
         return
-    status = runs.hashes_by_status(runs.child_runs(mlflow_client, report.experiment_id))
+    status = store.hashes_by_status(store.child_runs(mlflow_client, report.experiment_id))
     started = set().union(*status.values()) if status else set()
     for run in report.runs:
         if run.config_hash in status.get("FINISHED", set()):
@@ -224,11 +228,11 @@ def mark_existing(report: SweepReport, create: bool, definition: SweepDefinition
             "fp8rl.scale": definition.scale or "",
             "fp8rl.axes": ",".join(axis_tag(a) for a in definition.axes),
         }
-        report.parent_run_id = runs.ensure_parent(mlflow_client, report.experiment_id, report.name, tags)
+        report.parent_run_id = ensure_parent(mlflow_client, report.experiment_id, report.name, tags)
         for run in report.runs:
-            run.cfg.tracking.parent_run_id = report.parent_run_id
+            run.cfg = with_overrides(run.cfg, {"tracking.parent_run_id": report.parent_run_id})
     else:
-        parent = runs.find_parent(mlflow_client, report.experiment_id, report.name)
+        parent = store.find_parent(mlflow_client, report.experiment_id, report.name)
         report.parent_run_id = parent.info.run_id if parent else None
 
 
@@ -321,7 +325,7 @@ def _write_plan(report: SweepReport, folder: Path) -> None:
 
 
 def _run_inline(todo: list[PlannedRun], progress: Progress | None = None) -> None:
-    from fp8rl.launch.job import TrainJob
+    from fp8rl.launch.train_job import TrainJob
 
     for run in todo:
         run.job_id = "inline"
@@ -339,7 +343,7 @@ def _run_pool(
     todo: list[PlannedRun], executor: Any, max_parallel: int, req: SweepRequest, progress: Progress | None = None
 ) -> None:
     """Local executor: at most `max_parallel` jobs at once, waiting for all."""
-    from fp8rl.launch.job import TrainJob
+    from fp8rl.launch.train_job import TrainJob
 
     queue, running = list(todo), []
     deadline = time.monotonic() + req.timeout_s if req.timeout_s else None
@@ -366,7 +370,7 @@ def _submit_slurm(
     progress: Progress | None = None,
 ) -> None:
     """One Slurm job per point, named after the sweep and config hash (re-launches find it in squeue)."""
-    from fp8rl.launch.job import TrainJob
+    from fp8rl.launch.train_job import TrainJob
 
     jobs = []
     for run in todo:
@@ -411,14 +415,45 @@ def _finish_parent(report: SweepReport) -> None:
         status = "FINISHED"
     else:
         status = "RUNNING"
-    runs.finish_parent(runs.client(report.tracking_uri), report.parent_run_id, status)
+    finish_parent(store.client(report.tracking_uri), report.parent_run_id, status)
+
+
+def ensure_parent(mlflow_client: Any, exp_id: str, sweep: str, tags: dict[str, str]) -> str:
+    """The sweep's parent run (reused across launches, set RUNNING), created on the first launch."""
+    parent = store.find_parent(mlflow_client, exp_id, sweep)
+    all_tags = {**tags, store.SWEEP_TAG: sweep, store.ROLE_TAG: store.PARENT_ROLE}
+    if parent is None:
+        run = mlflow_client.create_run(exp_id, run_name=sweep, tags={**all_tags, "mlflow.runName": sweep})
+        return run.info.run_id
+    run_id = parent.info.run_id
+    for key, value in all_tags.items():
+        mlflow_client.set_tag(run_id, key, value)
+    if parent.info.status != "RUNNING":
+        mlflow_client.update_run(run_id, status="RUNNING")
+    return run_id
+
+
+def finish_parent(mlflow_client: Any, parent_id: str, status: str) -> None:
+    if status == "RUNNING":
+        mlflow_client.update_run(parent_id, status="RUNNING")
+    else:
+        mlflow_client.set_terminated(parent_id, status=status)
+
+
+def wide_console() -> Any:
+    """A rich console that does not squeeze tables to 80 columns when the output is a file or a pipe."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200)
 
 
 # ------------------------------------------------------------------------------------------------ output
 def print_report(report: SweepReport, console: Any | None = None) -> None:
     from rich.table import Table
 
-    console = console or runs.wide_console()
+    console = console or wide_console()
     verb = "would submit" if report.dry_run else "submitted"
     table = Table(title=f"sweep {report.name} ({report.launcher}; MLflow {report.tracking_uri})")
     for column in ("#", "point", "config hash", "status", "job", "result"):

@@ -21,9 +21,8 @@ exists for exactly one of them, is applied only when CUDA is unavailable, and is
    tensor/sequence parallelism that function is exactly ``F.linear``, which autocast handles, so
    those calls are routed there (the TP / sequence-parallel cases still go to megatron's function).
 
-Process groups: torch.distributed is initialized with one rank over an in-process ``HashStore``
-(no port, no file), gloo on CPU and NCCL on GPU, then ``initialize_model_parallel(1, 1)``.
-Anything already initialized (e.g. by torchrun) is left alone.
+`fp8rl.models.runtime.init_megatron` applies them, after megatron's parallel state exists; nothing here
+initialises process groups.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.fusions import fused_softmax
@@ -47,29 +45,10 @@ from megatron.core.utils import GlobalMemoryBuffer
 _PATCHED_ATTR = "_fp8rl_cpu_patched"
 
 
-def init_megatron_cpu(seed: int = 0) -> None:
-    """Make megatron-core usable in this process: one rank, TP = PP = 1, RNG seeded from ``seed``.
-
-    Idempotent: a second call re-seeds the RNG tracker and changes nothing else. On a CUDA host
-    only the process group, the model-parallel state and the CUDA RNG tracker are set up.
-    """
-    init_single_process_group()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    if torch.cuda.is_available():
-        mcore_random.model_parallel_cuda_manual_seed(seed)
-        return
+def apply_cpu_shims() -> None:
+    """Patches 1 and 3-6 (idempotent); the RNG tracker (patch 2) is installed by `install_cpu_rng_tracker`."""
     use_cpu_memory_buffer()
     patch_cuda_only_code_paths()
-    install_cpu_rng_tracker(seed)
-
-
-def init_single_process_group() -> None:
-    """Initialize torch.distributed with world size 1 over an in-process store, unless already done."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 class CpuGlobalMemoryBuffer(GlobalMemoryBuffer):

@@ -12,6 +12,7 @@ sampled token's probability under the truncated distribution is higher than repo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,28 +25,7 @@ from fp8rl.models.logprobs import (
     logprobs_and_entropy_from_logits,
     position_ids_from_mask,
 )
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How to sample responses."""
-
-    max_new_tokens: int  # response length limit, EOS included
-    eos_token_id: int  # stops a row once sampled (the EOS itself is part of the response)
-    pad_token_id: int  # fills a row after its EOS
-    temperature: float = 1.0  # 0 = greedy; log-probs then come from softmax(logits)
-    top_p: float = 1.0  # nucleus sampling mass; 1 = off
-    vocab_size: int | None = None  # sample among token ids < vocab_size (the tokenizer's); None = every logit row
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1 or None, got {self.vocab_size}")
+from fp8rl.models.sampling import SamplingConfig
 
 
 @dataclass
@@ -68,13 +48,28 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
-def sample_tokens(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> Tensor:
-    """One token per row from (b, v) logits -> (b,) long."""
+def row_uniforms(seeds: Sequence[int], steps: int, device: torch.device | str = "cpu") -> Tensor:
+    """(len(seeds), steps) uniforms in [0, 1): row i drawn from a generator seeded with seeds[i]."""
+    rows = [torch.rand(steps, generator=torch.Generator().manual_seed(int(seed))) for seed in seeds]
+    return torch.stack(rows).to(device) if rows else torch.zeros(0, steps, device=device)
+
+
+def sample_tokens(logits: Tensor, cfg: SamplingConfig, uniforms: Tensor | None) -> Tensor:
+    """One token per row from (b, v) logits -> (b,) long.
+
+    With ``uniforms`` (b,) in [0, 1), row i takes the token where its uniform falls in the cumulative
+    distribution (inverse-CDF sampling): a row's draw depends on its own uniform only, not on the other rows
+    of the batch. Without, ``torch.multinomial`` draws from the global generator.
+    """
     if cfg.temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
     probs = top_p_filter(probs, cfg.top_p)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    if uniforms is None:
+        return torch.multinomial(probs, num_samples=1).squeeze(-1)
+    cdf = probs.cumsum(dim=-1)
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def _last_token_logits(
@@ -99,11 +94,11 @@ def generate(
     prompt_ids: Tensor,
     prompt_mask: Tensor,
     cfg: SamplingConfig,
-    generator: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> GenerationOutput:
     """Sample up to ``cfg.max_new_tokens`` tokens after each LEFT-padded prompt.
 
-    prompt_ids, prompt_mask: (b, p), mask 1 = token. ``generator`` seeds the sampling.
+    prompt_ids, prompt_mask: (b, p), mask 1 = token. ``seeds``: one per row (see `sample_tokens`).
     The model is put in eval mode for the call (megatron uses the KV cache only then) and restored.
     """
     batch, prompt_len = prompt_ids.shape
@@ -127,15 +122,17 @@ def generate(
         ctx.sequence_len_offset = prompt_len
         ctx.enable_decode_mode()
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        stop_ids = torch.tensor(cfg.eos_token_ids, dtype=torch.long, device=device)
+        uniforms = None if seeds is None else row_uniforms(seeds, cfg.max_new_tokens, device)
         for step in range(cfg.max_new_tokens):
-            token = sample_tokens(logits, cfg, generator)
+            token = sample_tokens(logits, cfg, None if uniforms is None else uniforms[:, step])
             logp, entropy = logprobs_and_entropy_from_logits(logits, token, cfg.temperature or 1.0)
             alive = ~finished
             out.tokens[:, step] = torch.where(alive, token, cfg.pad_token_id)
             out.logprobs[:, step] = torch.where(alive, logp, 0.0)
             out.entropy[:, step] = torch.where(alive, entropy, 0.0)
             out.response_mask[:, step] = alive.long()
-            finished |= token == cfg.eos_token_id
+            finished |= torch.isin(token, stop_ids)
             if bool(finished.all()) or step + 1 == cfg.max_new_tokens:
                 break
             seen = key_mask[:, : prompt_len + step + 1]

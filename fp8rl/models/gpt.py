@@ -22,8 +22,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from fp8rl.models.config import ModelConfig
-from fp8rl.models.cpu_compat import init_megatron_cpu
 from fp8rl.models.fp8_layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear, Fp8SwitchableLinearMixin
+from fp8rl.models.runtime import require_megatron, seed_megatron_rng
 
 COMPUTE_PRECISIONS = ("fp32", "bf16")
 
@@ -85,12 +85,15 @@ def fp8_switchable_layer_spec(cfg: ModelConfig) -> ModuleSpec:
 def build_gpt_model(cfg: ModelConfig, seed: int = 0) -> GPTModel:
     """A freshly initialized GPTModel for ``cfg`` (weights drawn from ``seed``; global RNG untouched).
 
+    Needs megatron's process state (`fp8rl.models.runtime.init_megatron`).
+
     Forward: ``model(input_ids (b, s), position_ids (b, s), attention_mask (b, 1, s, s) bool, True =
     masked)`` -> logits (b, s, vocab_size). Use :mod:`fp8rl.models.logprobs` rather than calling it raw.
     """
     if cfg.vocab_size is None:
         raise ValueError(f"model {cfg.name!r} has no vocab_size yet; resolve it with with_tokenizer_vocab()")
-    init_megatron_cpu(seed)
+    require_megatron()
+    seed_megatron_rng(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPTModel(

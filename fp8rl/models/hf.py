@@ -347,12 +347,21 @@ def read_hf_tensors(directory: str | Path) -> dict[str, Tensor]:
     raise FileNotFoundError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {directory}")
 
 
+def model_config_from_hf_folder(directory: str | Path, name: str | None = None) -> ModelConfig:
+    """ModelConfig from a local HF folder's config.json (named after the folder unless `name` is given)."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise HFConversionError(f"{directory} has no config.json: is it a Hugging Face checkpoint folder?")
+    return model_config_from_hf(json.loads(config_path.read_text()), name=name or f"hf-{directory.name}")
+
+
 def load_hf_checkpoint(directory: str | Path, name: str | None = None) -> tuple[ModelConfig, torch.nn.Module]:
     """(ModelConfig, GPTModel with fp32 master weights) from a local HF folder (config.json + safetensors)."""
     from fp8rl.models.gpt import build_gpt_model  # imports megatron-core: keep this module light to import
 
     directory = Path(directory)
-    cfg = model_config_from_hf(json.loads((directory / "config.json").read_text()), name=name)
+    cfg = model_config_from_hf_folder(directory, name=name)
     state = hf_to_megatron({k: v.float() for k, v in read_hf_tensors(directory).items()}, cfg)
     model = build_gpt_model(cfg)
     # megatron's linears add their missing ``_extra_state`` keys in a load pre-hook, so strict loading works.

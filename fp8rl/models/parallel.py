@@ -95,18 +95,18 @@ PARALLEL_PRESETS: dict[str, ParallelLayout] = {
 
 
 def preset_layout(model_preset: str, **overrides) -> ParallelLayout:
-    """The preset layout of `model_preset`, with `overrides` (None values ignored) applied."""
-    if model_preset not in PARALLEL_PRESETS:
-        raise ParallelLayoutError(f"no parallel preset for model {model_preset!r}; valid: {sorted(PARALLEL_PRESETS)}")
+    """The preset layout of `model_preset` (a model without a preset, e.g. a Hugging Face checkpoint, starts
+    from `ParallelLayout`'s defaults), with `overrides` (None values ignored) applied."""
     changes = {k: v for k, v in overrides.items() if v is not None}
     unknown = set(changes) - {f.name for f in dataclasses.fields(ParallelLayout)}
     if unknown:
         raise ParallelLayoutError(f"unknown parallel settings {sorted(unknown)}")
-    return dataclasses.replace(PARALLEL_PRESETS[model_preset], **changes)
+    return dataclasses.replace(PARALLEL_PRESETS.get(model_preset, ParallelLayout()), **changes)
 
 
-def check_layout(layout: ParallelLayout, model: ModelConfig) -> None:
-    """Raise ParallelLayoutError naming the setting to change when `layout` cannot run `model`."""
+def check_layout(layout: ParallelLayout, model: ModelConfig, memory: bool = True) -> None:
+    """Raise ParallelLayoutError naming the setting to change when `layout` cannot run `model` (and, with
+    `memory`, when the per-GPU memory estimate exceeds the GPU)."""
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     if layout.rollout_placement not in PLACEMENTS:
         raise ParallelLayoutError(
@@ -150,6 +150,8 @@ def check_layout(layout: ParallelLayout, model: ModelConfig) -> None:
             f"{layout.trainer_gpus} trainer GPUs are not a multiple of TP x PP = {tp * pp}; change "
             "parallel.tensor_parallel / pipeline_parallel or the node count"
         )
+    if not memory:
+        return
     need, have = estimate_memory_gb(layout, model), layout.gpu_memory_gb
     if need > have:
         raise ParallelLayoutError(

@@ -63,6 +63,20 @@ def _rename_suffixes(state: dict[str, torch.Tensor], renames: dict[str, str]) ->
     return out
 
 
+def load_local_weights(te_model: torch.nn.Module, local_state: dict[str, torch.Tensor]) -> None:
+    """Load a local-spec state dict (warm start, HF import, checkpoint) into a TE-spec model, in BF16.
+
+    Strict about real tensors: only TE's ``_extra_state`` entries may be missing, nothing may be left over."""
+    state = local_to_te_state_dict(local_state)
+    result = te_model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"weights do not fit the Transformer Engine model: missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )
+
+
 def te_fp8_fields(recipe: Fp8Recipe | str | None) -> dict[str, Any]:
     """TransformerConfig fields for `recipe` (None = BF16): ``fp8`` and ``fp8_recipe``."""
     if recipe is None:

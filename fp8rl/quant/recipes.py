@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 RECIPE_NAMES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 FORMAT_MODES = ("e4m3", "hybrid")
 SCALING_MODES = ("current", "delayed")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 _OPERAND_GRANULARITY = {
     # name: (activation, weight, gradient)
@@ -58,8 +59,8 @@ class Fp8Recipe:
             raise ValueError(f"unknown scaling {self.scaling!r}; valid: {list(SCALING_MODES)}")
         if self.scaling == "delayed" and self.name != "tensorwise":
             raise ValueError(f"delayed scaling exists only for the tensorwise recipe, not {self.name!r}")
-        if self.amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError("amax_compute_algo must be 'max' or 'most_recent'")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"amax_compute_algo must be one of {list(AMAX_COMPUTE_ALGOS)}")
         if self.amax_history_len < 1:
             raise ValueError("amax_history_len must be >= 1")
 

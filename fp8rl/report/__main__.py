@@ -13,8 +13,8 @@ import json
 import time
 from pathlib import Path
 
-from fp8rl.launch import runs
 from fp8rl.report import figures, tables
+from fp8rl.tracking import store as runs
 from fp8rl.tracking.provenance import provenance
 
 TABLE_EXPERIMENTS = (

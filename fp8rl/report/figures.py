@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fp8rl.launch import runs
 from fp8rl.report.tables import MECH_ORDER, compare_name, load_mechanism, load_runs
+from fp8rl.tracking import store as runs
 
 CURVE_PANELS = (  # (title, [(metric key, line style)])
     ("actor entropy (rollout)", [("rollout/entropy", "-")]),

@@ -15,25 +15,17 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8rl.launch import compare, runs
+import pandas as pd
+
+from fp8rl.report.frames import Column, RunData, cells, grouped, load_runs, reduce_values, runs_frame
 from fp8rl.report.paper import PAPER_METRIC, PAPER_SCORES
-from fp8rl.report.surge import SurgeRule, detect_surge
+from fp8rl.report.surge import SurgeRule
+from fp8rl.tracking import store as runs
 
 SURGE_RULE = SurgeRule()
-
-
-@dataclass(frozen=True)
-class Column:
-    label: str
-    key: str  # MLflow metric key
-    reduce: str  # "last", "mean", "max", "surge_ratio", "surged"
-    fmt: str = "{:.3f}"
-
-
 TABLE_COLUMNS = (
     Column("final eval acc", "eval/accuracy", "last"),
     Column("peak entropy", "rollout/entropy", "max"),
@@ -49,126 +41,17 @@ TABLE_COLUMNS = (
 )
 
 
-@dataclass
-class RunData:
-    run_id: str
-    name: str
-    group: tuple[str, ...]
-    tags: dict[str, str]
-    params: dict[str, str]
-    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # key -> [(step, value)]
-
-    def series(self, key: str) -> list[float]:
-        return [v for _, v in sorted(self.history.get(key, []))]
+def compare_name(key: str) -> str:
+    """``"+experiment/arm"`` -> ``"arm"``, ``"sweep.trainer.seed"`` -> ``"seed"``."""
+    return key.lstrip("+~").rsplit("/", 1)[-1].rsplit(".", 1)[-1]
 
 
-def load_runs(
-    experiment: str, keys: Sequence[str], group_by: Sequence[str] | None = None, tracking_uri: str | None = None
-) -> tuple[list[RunData], list[str], str]:
-    """The FINISHED child runs of `experiment` with the histories of `keys`; returns (runs, group_by, uri)."""
-    uri = runs.absolute_tracking_uri(tracking_uri)
-    if not runs.store_exists(uri):
-        raise SystemExit(f"no MLflow store at {uri}: run the sweep first (e.g. make table-grpo)")
-    client = runs.client(uri)
-    exp_id = runs.experiment_id(client, experiment, create=False)
-    if exp_id is None:
-        raise SystemExit(f"no MLflow experiment {experiment!r} in {uri}: run its sweep first")
-    group_by = list(group_by) if group_by else compare.default_group_by(client, exp_id, experiment)
-    out = []
-    for run in reversed(runs.child_runs(client, exp_id)):
-        if run.info.status != "FINISHED":
-            continue
-        data = RunData(
-            run.info.run_id,
-            run.info.run_name or "",
-            tuple(compare.lookup(run, k) for k in group_by),
-            dict(run.data.tags),
-            dict(run.data.params),
-        )
-        for key in dict.fromkeys(keys):
-            if key in run.data.metrics:
-                data.history[key] = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
-        out.append(data)
-    return out, group_by, uri
-
-
-def reduce_column(run: RunData, column: Column) -> float:
-    values = run.series(column.key)
-    if not values:
-        return math.nan
-    if column.reduce in ("surge_ratio", "surged"):
-        if len(values) < 4:
-            return math.nan
-        surge = detect_surge(values, SURGE_RULE)
-        return surge.ratio if column.reduce == "surge_ratio" else float(surge.surged)
-    return compare.reduce(values, column.reduce)
-
-
-@dataclass
-class Group:
-    key: tuple[str, ...]
-    runs: list[RunData]
-    mean: dict[str, float]
-    std: dict[str, float]
-
-
-def group_rows(run_data: list[RunData], columns: Sequence[Column]) -> list[Group]:
-    groups: dict[tuple[str, ...], list[RunData]] = {}
-    for run in run_data:
-        groups.setdefault(run.group, []).append(run)
-    out = []
-    for key, members in groups.items():
-        mean, std = {}, {}
-        for col in columns:
-            mean[col.label], std[col.label] = compare.mean_and_std(reduce_column(r, col) for r in members)
-        out.append(Group(key, members, mean, std))
-    return out
-
-
-def _cell(mean: float, std: float, n: int, fmt: str) -> str:
-    if math.isnan(mean):
-        return "-"
-    return fmt.format(mean) if n < 2 else f"{fmt.format(mean)} ± {fmt.format(std)}"
-
-
-def _paper_lookup(experiment: str, key: tuple[str, ...], position: int) -> str:
+def _paper_column(experiment: str, keys: list[tuple[str, ...]]) -> list[str]:
     scores = PAPER_SCORES.get(experiment, {})
     if experiment == "ablation_recal_interval":  # tiny K = 2/5/10 stands for the paper's 10/20/40
         ordered = list(scores.values())
-        return f"{ordered[position]:g}" if position < len(ordered) else ""
-    for part in key:
-        if part in scores:
-            return f"{scores[part]:g}"
-    return ""
-
-
-def markdown_table(
-    experiment: str, groups: list[Group], group_by: list[str], columns: Sequence[Column], header: str
-) -> str:
-    paper = experiment in PAPER_SCORES
-    names = [compare_name(g) for g in group_by]
-    head = [*names, "runs", *(c.label for c in columns), *(["paper"] if paper else [])]
-    lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for position, g in enumerate(groups):
-        cells = [
-            *g.key,
-            str(len(g.runs)),
-            *(_cell(g.mean[c.label], g.std[c.label], len(g.runs), c.fmt) for c in columns),
-        ]
-        if paper:
-            cells.append(_paper_lookup(experiment, g.key, position))
-        lines.append("| " + " | ".join(cells) + " |")
-    if paper:
-        lines += [
-            "",
-            f"paper: {PAPER_METRIC[experiment]} (../shared/PAPER.md; approximate, not comparable in "
-            "absolute value to our task accuracy: compare orderings and gaps to BF16).",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def compare_name(key: str) -> str:
-    return key.lstrip("+~").rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+        return [f"{ordered[i]:g}" if i < len(ordered) else "" for i in range(len(keys))]
+    return [next((f"{scores[part]:g}" for part in key if part in scores), "") for key in keys]
 
 
 def provenance_header(experiment: str, run_data: list[RunData], uri: str) -> str:
@@ -177,10 +60,11 @@ def provenance_header(experiment: str, run_data: list[RunData], uri: str) -> str
     )
     hosts = sorted({r.tags.get("machine.hostname", "?") for r in run_data})
     return (
-        f"Table `{experiment}`: {len(run_data)} finished run(s) from MLflow `{uri}`; mean ± std over seeds. "
-        f"Runs at git {', '.join(shas)} on {', '.join(hosts)}; generated {time.strftime('%Y-%m-%d %H:%M %Z')} "
-        f"by `python -m fp8rl.report`. Surge detector: fp8rl/report/surge.py (ratio >= {SURGE_RULE.ratio}, "
-        f"rise >= {SURGE_RULE.min_rise} nats); `surged` = fraction of runs."
+        f"Table `{experiment}`: {len(run_data)} finished run(s) from MLflow `{runs.display_uri(uri)}`; mean ± std "
+        f"over seeds. Runs at git {', '.join(shas)} on {', '.join(hosts)}; generated "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')} by `python -m fp8rl.report`. Surge detector: "
+        f"fp8rl/report/surge.py (ratio >= {SURGE_RULE.ratio}, rise >= {SURGE_RULE.min_rise} nats); "
+        "`surged` = fraction of runs."
     )
 
 
@@ -195,30 +79,75 @@ def write_table(
     run_data, group_by, uri = load_runs(experiment, [c.key for c in columns], tracking_uri=tracking_uri)
     if not run_data:
         raise SystemExit(f"MLflow experiment {experiment!r} has no finished runs yet")
-    groups = group_rows(run_data, columns)
+    names = [compare_name(g) for g in group_by]
+    per_run = runs_frame(run_data, columns, group_by).rename(columns=dict(zip(group_by, names, strict=True)))
+    table = grouped(per_run, names, columns)
+    display = cells(table, names, columns)
     stem = name or experiment
     base = stem.rsplit("-", 1)[0]
+    lines = [provenance_header(experiment, run_data, uri), ""]
+    if base in PAPER_SCORES:
+        display["paper"] = _paper_column(base, [tuple(row) for row in table[names].astype(str).values.tolist()])
+    lines.append(display.to_markdown(index=False))
+    if base in PAPER_SCORES:
+        lines += [
+            "",
+            f"paper: {PAPER_METRIC[base]} (approximate, from the paper's summary; not comparable in absolute "
+            "value to our task accuracy: compare orderings and gaps to BF16).",
+        ]
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = out_dir / f"{stem}.md"
-    md.write_text(markdown_table(base, groups, group_by, columns, provenance_header(experiment, run_data, uri)))
-    grouped, per_run, configs = out_dir / f"{stem}.csv", out_dir / f"{stem}.runs.csv", out_dir / f"{stem}.runs.json"
-    with open(grouped, "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(
-            [*map(compare_name, group_by), "runs", *(f"{c.label}:{s}" for c in columns for s in ("mean", "std"))]
-        )
-        for g in groups:
-            writer.writerow([*g.key, len(g.runs), *(v for c in columns for v in (g.mean[c.label], g.std[c.label]))])
-    with open(per_run, "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["run_id", "run_name", "git_sha", *map(compare_name, group_by), *(c.label for c in columns)])
-        for r in run_data:
-            writer.writerow(
-                [r.run_id, r.name, r.tags.get("git_sha", ""), *r.group, *(reduce_column(r, c) for c in columns)]
-            )
+    md, csv_grouped, csv_runs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv", out_dir / f"{stem}.runs.csv"
+    md.write_text("\n".join(lines) + "\n")
+    table.to_csv(csv_grouped, index=False)
+    per_run.to_csv(csv_runs, index=False)
+    configs = out_dir / f"{stem}.runs.json"
     records = [{"run_id": r.run_id, "run_name": r.name, "tags": r.tags, "config": r.params} for r in run_data]
-    configs.write_text(json.dumps({"mlflow": uri, "experiment": experiment, "runs": records}, indent=1, sort_keys=True))
-    return [md, grouped, per_run, configs]
+    payload = {"mlflow": runs.display_uri(uri), "experiment": experiment, "runs": records}
+    configs.write_text(json.dumps(_without_local_paths(payload), indent=1, sort_keys=True))
+    return [md, csv_grouped, csv_runs, configs]
+
+
+def _without_local_paths(value: Any) -> Any:
+    """Strings that are absolute paths of this machine (or URIs holding one) made relative to the working
+    directory, or reduced to their last part: results carry no machine's paths."""
+    if isinstance(value, dict):
+        return {k: _without_local_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_local_paths(v) for v in value]
+    if isinstance(value, str) and ("/" in value) and (value.startswith("/") or "://" in value):
+        if value.startswith("sqlite:///"):
+            return runs.display_uri(value)
+        if value.startswith("/"):
+            path = Path(value)
+            try:
+                return str(path.relative_to(Path.cwd()))
+            except ValueError:
+                return f"<local>/{path.name}"
+        return runs.display_uri(value)
+    return value
+
+
+def summarize_runs(
+    run_ids: dict[str, str | None], columns: Sequence[Column], tracking_uri: str | None = None
+) -> pd.DataFrame:
+    """One row per named run (e.g. the demo's arms), each column reduced over the run's steps."""
+    client = runs.client(runs.absolute_tracking_uri(tracking_uri))
+    rows = []
+    for name, run_id in run_ids.items():
+        run = client.get_run(run_id) if run_id else None
+        histories = runs.metric_histories(client, run, [c.key for c in columns]) if run else {}
+        data = RunData(run_id or "", name, (name,), {}, {}, histories)
+        rows.append({"run": name, **{c.label: reduce_values(data.series(c.key), c.reduce) for c in columns}})
+    return pd.DataFrame(rows)
+
+
+def write_frame(frame: pd.DataFrame, out_dir: Path, stem: str, title: str) -> list[Path]:
+    """``<stem>.md`` (a title line and the table) and ``<stem>.csv``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, csv_path = out_dir / f"{stem}.md", out_dir / f"{stem}.csv"
+    md.write_text(f"{title}\n\n{frame.to_markdown(index=False, floatfmt='.4f')}\n")
+    frame.to_csv(csv_path, index=False)
+    return [md, csv_path]
 
 
 # ------------------------------------------------------------------------------------------------ mechanism
@@ -251,7 +180,7 @@ def load_mechanism(experiment: str, tracking_uri: str | None = None) -> tuple[li
     client = runs.client(uri)
     exp_id = runs.experiment_id(client, experiment, create=False)
     if exp_id is None:
-        raise SystemExit(f"no MLflow experiment {experiment!r} in {uri}: run `make mechanism` first")
+        raise SystemExit(f"no MLflow experiment {experiment!r} in {runs.display_uri(uri)}: run `make mechanism` first")
     found = runs.search(client, exp_id, "tags.`fp8rl.mechanism` = 'cell' and attributes.status = 'FINISHED'")
     newest: dict[str, Any] = {}
     for run in sorted(found, key=lambda r: r.info.start_time):
@@ -326,7 +255,8 @@ def write_mechanism(experiment: str, out_dir: Path, tracking_uri: str | None = N
     out_dir.mkdir(parents=True, exist_ok=True)
     shas = sorted({r.data.tags.get("git_sha", "?")[:10] for r in cells})
     base = (
-        f"Mechanism study ({len(cells)} cells, MLflow `{uri}`, experiment `{experiment}`, git {', '.join(shas)}; "
+        f"Mechanism study ({len(cells)} cells, MLflow `{runs.display_uri(uri)}`, experiment `{experiment}`, "
+        f"git {', '.join(shas)}; "
         f"generated {time.strftime('%Y-%m-%d %H:%M %Z')}). One PPO mini-batch update (AdamW, lr as listed) "
         "from the checkpoint, ratios measured on the batch's other mini-batch; tokens of the study's GRPO "
         "batches pooled. `overclip_neg`: negative-advantage tokens FP8 clips at 0.8 and BF16 does not, / all "

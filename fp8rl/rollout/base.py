@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -9,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp8rl.models.generate import SamplingConfig
+from fp8rl.models.sampling import SamplingConfig
+
+ROLLOUT_ENGINES = ("builtin", "vllm")  # fp8rl.rollout.builtin.BuiltinEngine, fp8rl.rollout.vllm_engine.VllmEngine
 
 
 @dataclass
@@ -32,19 +35,28 @@ class RolloutBatch:
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
 
+    FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logp", "rollout_entropy")
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """The same rows on `device` (the trainer moves a batch once, at the step's boundary)."""
+        return RolloutBatch(*(getattr(self, name).to(device) for name in self.FIELDS))
+
     def responses(self) -> list[list[int]]:
         """Each row's generated token ids (response pads removed)."""
         return [row[mask.bool()].tolist() for row, mask in zip(self.response_ids, self.response_mask, strict=True)]
 
     def select(self, rows: slice | Tensor) -> RolloutBatch:
         """A sub-batch (mini-batch) of rows."""
-        return RolloutBatch(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
+        return RolloutBatch(*(getattr(self, name)[rows] for name in self.FIELDS))
 
     @staticmethod
-    def concat(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
-        """The rows of several batches in one: prompts left-padded and responses right-padded to the widest."""
-        prompt_len = max(b.prompt_ids.shape[1] for b in batches)
-        response_len = max(b.response_ids.shape[1] for b in batches)
+    def concat(
+        batches: list[RolloutBatch], pad_id: int, prompt_len: int | None = None, response_len: int | None = None
+    ) -> RolloutBatch:
+        """The rows of several batches in one: prompts left-padded and responses right-padded to the widest
+        (or to the given widths)."""
+        prompt_len = prompt_len or max(b.prompt_ids.shape[1] for b in batches)
+        response_len = response_len or max(b.response_ids.shape[1] for b in batches)
 
         def cat(name: str, width: int, value: float, left: bool) -> Tensor:
             parts = []
@@ -69,9 +81,10 @@ class RolloutEngine(Protocol):
 
     name: str
 
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> RolloutBatch: ...
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: Sequence[int] | None) -> RolloutBatch:
+        """One response per prompt row; row i is sampled from its own ``seeds[i]`` (None: greedy or unseeded),
+        so a row's response does not depend on which other rows share its batch."""
+        ...
 
     def sync_weights(self, model: torch.nn.Module) -> float:
         """Make the engine sample from `model`'s current weights; returns the seconds it took."""

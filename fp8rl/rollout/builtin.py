@@ -7,12 +7,15 @@ the trainer's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from fp8rl.models.generate import SamplingConfig, generate
+from fp8rl.models.generate import generate
 from fp8rl.models.gpt import compute_precision, fp8_autocast
 from fp8rl.models.kv_cache import fp8_kv_cache
 from fp8rl.models.logprobs import left_pad
+from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutBatch
 
 
@@ -30,17 +33,16 @@ class BuiltinEngine:
         self.compute = compute
         self.fp8_kv_cache = fp8_kv_cache
 
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> RolloutBatch:
-        prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: Sequence[int] | None) -> RolloutBatch:
+        device = _device_of(self.model)
+        prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, self.pad_id))
         with (
             torch.no_grad(),
             compute_precision(self.compute),
             fp8_autocast(self.model, self.recipe),
             fp8_kv_cache(self.model, self.fp8_kv_cache),
         ):
-            out = generate(self.model, prompt_ids, prompt_mask, sampling, generator)
+            out = generate(self.model, prompt_ids, prompt_mask, sampling, seeds)
         return RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -54,3 +56,7 @@ class BuiltinEngine:
         if model is not self.model:
             raise ValueError("the built-in engine samples from the trainer's own model; pass that model")
         return 0.0
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device

@@ -8,13 +8,13 @@ online FP8 quantization) and drops the prefix cache, whose keys and values came 
 Sampling contract (same as the built-in engine):
 
 - One vLLM request per prompt row: the caller repeats each prompt G times (group sampling). Each request
-  gets its own seed drawn from ``generator``, so a batch is reproducible from the trainer's (seed, step).
+  gets its row's seed, so a batch is reproducible from the trainer's (seed, step, row).
   Identical prompts share their prefill through vLLM's prefix cache.
 - ``rollout_logp`` is vLLM's ``processed_logprobs`` of the sampled token: the log-prob under the
   temperature-scaled distribution, i.e. what ``token_logprobs_and_entropy(..., temperature)`` computes in
   the trainer. With ``top_p < 1`` vLLM renormalizes over the nucleus, whereas the built-in engine reports
   the pre-truncation log-prob; the two agree for ``top_p = 1`` (the project's default).
-- Stops at ``sampling.eos_token_id`` (the EOS is part of the response) or after ``max_new_tokens``; the
+- Stops at any of ``sampling.eos_token_ids`` (the EOS is part of the response) or after ``max_new_tokens``; the
   model folder's own generation defaults and EOS are ignored (``generation_config="vllm"``, no tokenizer).
 - ``rollout_entropy``: vLLM does not return it cheaply. With ``entropy=True`` the engine asks for the
   whole vocabulary's log-probs each step and computes it exactly (fine for the tiny model's 64 tokens, far
@@ -43,16 +43,17 @@ import gc
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fp8rl.models.config import ModelConfig
-from fp8rl.models.cpu_compat import init_single_process_group
-from fp8rl.models.generate import SamplingConfig
 from fp8rl.models.hf import hf_weights, save_hf_checkpoint
 from fp8rl.models.logprobs import left_pad
+from fp8rl.models.runtime import require_megatron
+from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutBatch
 
 # Set before vLLM is imported (it reads them at import and engine start).
@@ -186,9 +187,9 @@ class VllmEngine:
         # fp32 on disk: the engine casts (and FP8-quantizes) from the master weights, as it does on each push.
         save_hf_checkpoint(model, model_cfg, self.model_dir, tokenizer=tokenizer, dtype=torch.float32)
         vllm = import_vllm()
-        # vLLM joins an existing default process group and creates one otherwise; make it megatron's, so
+        # vLLM joins an existing default process group and creates one otherwise; it must be megatron's, so
         # that closing the engine leaves the trainer's process groups alone.
-        init_single_process_group()
+        require_megatron()
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         started = time.perf_counter()
         try:
@@ -224,21 +225,16 @@ class VllmEngine:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_tokens=sampling.max_new_tokens,
-            stop_token_ids=[sampling.eos_token_id],
+            stop_token_ids=list(sampling.eos_token_ids),
             logprobs=-1 if self.entropy else 0,
             seed=seed,
             detokenize=False,
         )
 
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, generator: torch.Generator | None
-    ) -> RolloutBatch:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: Sequence[int] | None) -> RolloutBatch:
         """One response per prompt row, right-padded to ``sampling.max_new_tokens`` (see the module docstring)."""
-        if generator is not None:  # one seed per row, drawn from the trainer's (seed, step) generator
-            seeds: list[int | None] = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
-        else:
-            seeds = [None] * len(prompts)
-        params = [self._params(sampling, seed) for seed in seeds]
+        row_seeds = [None] * len(prompts) if seeds is None else [int(s) % (2**31 - 1) for s in seeds]
+        params = [self._params(sampling, seed) for seed in row_seeds]
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         batch, width = len(prompts), sampling.max_new_tokens

@@ -40,12 +40,13 @@ from typing import Any
 import torch
 
 from fp8rl import algos
-from fp8rl.config import RunConfig
+from fp8rl.compose import compose_config
+from fp8rl.config import RunConfig, with_overrides
+from fp8rl.job import build_trainer, run_job
 from fp8rl.models.outliers import inject_activation_outliers, remove_activation_outliers
 from fp8rl.quant import get_recipe
 from fp8rl.trainer import checkpoint as ckpt
 from fp8rl.trainer.loop import RLTrainer
-from fp8rl.trainer.run import run as run_training
 
 RECIPES = ("bf16", "tensorwise", "rowwise", "blockwise", "mxfp8")
 HIST_EDGES = torch.linspace(-0.3, 0.3, 61)
@@ -114,37 +115,35 @@ class Tokens:
 
 
 def base_config(mcfg: MechanismConfig, out_dir: Path) -> RunConfig:
-    """The tiny scale's BF16 GRPO run (TIS as in every table arm), with the study's batch size."""
-    from fp8rl.launch.experiment import expand_points
-
-    (point,) = expand_points([["precision=bf16"]], ["scale=tiny", "clipping=tis", f"trainer.seed={mcfg.seed}"]).points
-    if point.cfg is None:
-        raise RuntimeError(f"the tiny base config does not compose: {point.error}")
-    cfg = point.cfg
-    cfg.trainer.out_dir = str(out_dir)
-    cfg.tracking.tracking_uri = mcfg.tracking_uri
-    return cfg
+    """The tiny scale's BF16 GRPO run (TIS as in every table arm)."""
+    cfg = compose_config(["scale=tiny", "precision=bf16", "clipping=tis", f"trainer.seed={mcfg.seed}"])
+    return with_overrides(cfg, {"trainer.out_dir": str(out_dir), "tracking.tracking_uri": mcfg.tracking_uri})
 
 
 def late_checkpoint(mcfg: MechanismConfig) -> dict[str, torch.Tensor]:
     """Model weights after `late_steps` BF16 RL steps (trained once; resumed or reused from its folder)."""
     cfg = base_config(mcfg, Path(mcfg.out_dir) / f"bf16-run-{mcfg.key()}")
-    cfg.trainer.steps = mcfg.late_steps
-    cfg.trainer.keep_checkpoints = 1
-    cfg.tracking.experiment = mcfg.experiment
-    cfg.tracking.run_name = f"bf16-rl-{mcfg.late_steps}-steps"
-    cfg.tracking.tags = {"fp8rl.mechanism": "late-checkpoint-run", "fp8rl.mechanism_key": mcfg.key()}
-    latest = ckpt.latest_checkpoint(cfg.trainer.out_dir)
-    if latest is None or ckpt.load_checkpoint(latest)["step"] < mcfg.late_steps:
-        run_training(cfg)
-    return ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.trainer.out_dir))["model"]
+    tags = {"fp8rl.mechanism": "late-checkpoint-run", "fp8rl.mechanism_key": mcfg.key()}
+    cfg = with_overrides(
+        cfg,
+        {
+            "trainer.steps": mcfg.late_steps,
+            "trainer.keep_checkpoints": 1,
+            "tracking.experiment": mcfg.experiment,
+            "tracking.run_name": f"bf16-rl-{mcfg.late_steps}-steps",
+            "tracking.tags": tags,
+        },
+    )
+    found = ckpt.latest_good_checkpoint(cfg.trainer.out_dir)
+    if found is None or found[1]["step"] < mcfg.late_steps:
+        run_job(cfg)
+        found = ckpt.latest_good_checkpoint(cfg.trainer.out_dir)
+    return found[1]["model"]
 
 
 def study_trainer(mcfg: MechanismConfig) -> RLTrainer:
     cfg = base_config(mcfg, Path(tempfile.mkdtemp(prefix="mechanism-")))
-    cfg.algo.prompts_per_step = mcfg.prompts
-    cfg.tracking.enabled = False
-    return RLTrainer(cfg)
+    return build_trainer(with_overrides(cfg, {"algo.prompts_per_step": mcfg.prompts, "tracking.enabled": False}))
 
 
 def recipe_of(name: str):
@@ -155,8 +154,8 @@ def sample_batches(trainer: RLTrainer, mcfg: MechanismConfig) -> list[dict[str, 
     """GRPO batches from the BF16 engine: (update rows, measure rows, advantages), fixed per seed."""
     out = []
     for b in range(mcfg.batches):
-        problems, batch = trainer.rollout(step=10_000 + b)
-        _, adv, _, _ = trainer.rewards_and_advantages(problems, batch)
+        problems, batch = trainer.sampler.rollout(step=10_000 + b)
+        adv = trainer.sampler.score(problems, batch).adv
         update_rows, measure_rows = trainer.minibatches(len(problems), epoch_seed=10_000 + b)
         out.append({"batch": batch, "adv": adv, "update": update_rows, "measure": measure_rows})
     return out
@@ -285,7 +284,7 @@ def variant_name(channels: int, scale: float) -> str:
 
 def run_study(mcfg: MechanismConfig, log=print) -> list[str]:
     """Run every cell not yet FINISHED in MLflow; returns the run ids of all cells."""
-    from fp8rl.launch import runs
+    from fp8rl.tracking import store as runs
     from fp8rl.tracking.provenance import provenance
 
     uri = runs.absolute_tracking_uri(mcfg.tracking_uri)
@@ -343,7 +342,7 @@ def _grouped(todo: list[tuple]) -> dict[tuple, list[Cell]]:
 
 
 def _finished_cells(client, exp_id: str, key: str) -> dict[str, str]:
-    from fp8rl.launch import runs
+    from fp8rl.tracking import store as runs
 
     found = runs.search(client, exp_id, f"tags.`fp8rl.mechanism_key` = '{key}' and attributes.status = 'FINISHED'")
     return {r.data.tags.get("fp8rl.mechanism_cell", ""): r.info.run_id for r in found}

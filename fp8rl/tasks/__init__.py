@@ -1,35 +1,45 @@
 """Verifiable-reward tasks: problems, tokenizers, rewards and garbled-output detection.
 
-Tasks register by name (``build_task(task_config("arithmetic", num_digits=3))``); importing this
-package registers the built-in ones.
+Tasks register by name (``build_task(TaskConfig(name="arithmetic"))``); importing this package registers
+the built-in ones: ``arithmetic`` (the tiny CPU task).
 """
 
-from fp8rl.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
+from fp8rl.tasks.arithmetic import ArithmeticTask
 from fp8rl.tasks.base import (
     GARBLE_REASONS,
+    HELDOUT,
     Problem,
     Task,
+    Tokenizer,
     batch_rewards,
     build_task,
+    check_task_config,
     garble_metrics,
     register_task,
-    task_config,
     task_names,
 )
 from fp8rl.tasks.tokenizer import CharTokenizer, build_char_tokenizer
 
+
+def dataset_names() -> list[str]:
+    """Names of the math data sets a `TaskConfig` may name (none until the math task is registered)."""
+    return []
+
+
 __all__ = [
     "GARBLE_REASONS",
-    "ArithmeticConfig",
+    "HELDOUT",
     "ArithmeticTask",
     "CharTokenizer",
     "Problem",
     "Task",
+    "Tokenizer",
     "batch_rewards",
     "build_char_tokenizer",
     "build_task",
+    "check_task_config",
+    "dataset_names",
     "garble_metrics",
     "register_task",
-    "task_config",
     "task_names",
 ]

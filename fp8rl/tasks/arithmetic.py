@@ -1,5 +1,6 @@
 """Multi-digit arithmetic with exact-match rewards: a local, deterministic verifiable-reward task.
 
+Configured by the run's `TaskConfig` (operations, num_digits, num_train, num_eval, seed).
 Prompt ``"<bos>123+456="``, reference response ``"579<eos>"``. Operands are drawn uniformly among
 the numbers with exactly ``num_digits`` digits (10..99 for 2; 0..9 for 1), or with ``fixed_width``
 off from 0 .. 10^num_digits - 1, always written without leading zeros. The eval set is drawn first, then the
@@ -13,7 +14,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fp8rl.tasks.base import Problem, register_task
+from fp8rl.config import TaskConfig
+from fp8rl.tasks.base import HELDOUT, Problem, register_task
 from fp8rl.tasks.tokenizer import CharTokenizer, build_char_tokenizer
 
 DIGITS = "0123456789"
@@ -25,42 +27,40 @@ _ENUMERATE_BELOW = 100_000  # universes up to this size are enumerated and shuff
 
 
 @dataclass(frozen=True)
-class ArithmeticConfig:
-    """Which arithmetic problems to pose."""
+class ProblemSpace:
+    """Which arithmetic problems exist: the task config's operations and digits, and the operand width rule."""
 
-    name: str = "arithmetic"  # registry key
     operations: str = "+"  # any of "+", "-", "*", e.g. "+-"; each problem picks one uniformly
     num_digits: int = 3  # digits per operand
     fixed_width: bool = True  # operands have exactly num_digits digits; False: any of 0 .. 10^num_digits - 1
-    num_train: int = 20_000  # distinct training problems (warm start and RL prompts)
-    num_eval: int = 512  # distinct held-out problems, disjoint from the training ones
-    seed: int = 0  # fixes both problem sets
-    response_slack: int = 2  # response limit = longest possible answer + <eos> + this
 
-    def __post_init__(self) -> None:
-        if not self.operations or any(op not in OPERATIONS for op in self.operations):
-            raise ValueError(f"operations={self.operations!r}; use a non-empty subset of {OPERATIONS!r}")
-        if not 1 <= self.num_digits <= 9:
-            raise ValueError(f"num_digits must be in 1..9, got {self.num_digits}")
-        if self.num_train < 1 or self.num_eval < 1:
-            raise ValueError("num_train and num_eval must be >= 1")
-        universe = problem_universe_size(self)
-        if self.num_train + self.num_eval > universe:
-            raise ValueError(
-                f"{self.num_train} train + {self.num_eval} eval problems requested, but only {universe} distinct "
-                f"problems exist for operations={self.operations!r}, num_digits={self.num_digits}"
-            )
+    @classmethod
+    def of(cls, cfg: TaskConfig, fixed_width: bool = True) -> ProblemSpace:
+        return cls(cfg.operations, cfg.num_digits, fixed_width)
 
 
-def operand_range(cfg: ArithmeticConfig) -> range:
+def check_arithmetic_config(cfg: TaskConfig, fixed_width: bool = True) -> None:
+    """Raise ValueError (saying what to change) when `cfg` asks for problems that do not exist."""
+    if not cfg.operations or any(op not in OPERATIONS for op in cfg.operations):
+        raise ValueError(f"task.operations={cfg.operations!r}; use a non-empty subset of {OPERATIONS!r}")
+    universe = problem_universe_size(ProblemSpace.of(cfg, fixed_width))
+    if cfg.num_train + cfg.num_eval > universe:
+        raise ValueError(
+            f"{cfg.num_train} train + {cfg.num_eval} eval problems requested (task.num_train, task.num_eval), but "
+            f"only {universe} distinct problems exist for task.operations={cfg.operations!r}, "
+            f"task.num_digits={cfg.num_digits}"
+        )
+
+
+def operand_range(space: ProblemSpace) -> range:
     """The operands a problem can have."""
-    low = 10 ** (cfg.num_digits - 1) if cfg.fixed_width and cfg.num_digits > 1 else 0
-    return range(low, 10**cfg.num_digits)
+    low = 10 ** (space.num_digits - 1) if space.fixed_width and space.num_digits > 1 else 0
+    return range(low, 10**space.num_digits)
 
 
-def problem_universe_size(cfg: ArithmeticConfig) -> int:
+def problem_universe_size(space: ProblemSpace) -> int:
     """Number of distinct (a, op, b) problems."""
-    return len(set(cfg.operations)) * len(operand_range(cfg)) ** 2
+    return len(set(space.operations)) * len(operand_range(space)) ** 2
 
 
 def solve(a: int, op: str, b: int) -> int:
@@ -77,18 +77,18 @@ def make_problem(a: int, op: str, b: int) -> Problem:
     return Problem(prompt=f"{a}{op}{b}=", answer=str(solve(a, op, b)))
 
 
-def _problem_key(index: int, cfg: ArithmeticConfig) -> tuple[int, str, int]:
-    operations = sorted(set(cfg.operations))
-    operands = operand_range(cfg)
+def _problem_key(index: int, space: ProblemSpace) -> tuple[int, str, int]:
+    operations = sorted(set(space.operations))
+    operands = operand_range(space)
     op_index, rest = divmod(index, len(operands) ** 2)
     a, b = divmod(rest, len(operands))
     return operands[a], operations[op_index], operands[b]
 
 
-def draw_problem_indices(cfg: ArithmeticConfig) -> list[int]:
+def draw_problem_indices(cfg: TaskConfig, space: ProblemSpace) -> list[int]:
     """``num_eval + num_train`` distinct problem indices in draw order (eval first), fixed by ``cfg.seed``."""
     rng = random.Random(cfg.seed)
-    universe = problem_universe_size(cfg)
+    universe = problem_universe_size(space)
     wanted = cfg.num_eval + cfg.num_train
     if universe <= _ENUMERATE_BELOW:
         indices = list(range(universe))
@@ -100,22 +100,31 @@ def draw_problem_indices(cfg: ArithmeticConfig) -> list[int]:
     return list(drawn)
 
 
-def longest_answer_length(cfg: ArithmeticConfig) -> int:
+def longest_answer_length(cfg: ProblemSpace) -> int:
     """Characters of the longest possible answer."""
     lengths = {"+": cfg.num_digits + 1, "-": cfg.num_digits + 1, "*": 2 * cfg.num_digits}
     return max(lengths[op] for op in cfg.operations)
 
 
 class ArithmeticTask:
-    """Arithmetic problems, their character tokenizer, exact-match reward and garble detector."""
+    """Arithmetic problems, their character tokenizer, exact-match reward and garble detector.
 
-    def __init__(self, cfg: ArithmeticConfig) -> None:
+    ``fixed_width`` and ``response_slack`` (response limit = longest possible answer + <eos> + slack) are
+    properties of the problem family, not run options.
+    """
+
+    name = "arithmetic"
+
+    def __init__(self, cfg: TaskConfig, *, fixed_width: bool = True, response_slack: int = 2) -> None:
+        check_arithmetic_config(cfg, fixed_width)
         self.cfg = cfg
+        space = ProblemSpace.of(cfg, fixed_width)
         self.tokenizer: CharTokenizer = build_char_tokenizer(ALPHABET)
-        problems = [make_problem(*_problem_key(index, cfg)) for index in draw_problem_indices(cfg)]
+        problems = [make_problem(*_problem_key(index, space)) for index in draw_problem_indices(cfg, space)]
         self.eval_problems: list[Problem] = problems[: cfg.num_eval]
         self.train_problems: list[Problem] = problems[cfg.num_eval :]
-        self.max_response_tokens: int = longest_answer_length(cfg) + 1 + cfg.response_slack
+        self.eval_sets: dict[str, list[Problem]] = {HELDOUT: self.eval_problems}
+        self.max_response_tokens: int = longest_answer_length(space) + 1 + response_slack
         self._answer_ids = frozenset(self.tokenizer.encode(ANSWER_CHARS, add_bos=False))
 
     def prompt_ids(self, problem: Problem) -> list[int]:
@@ -123,8 +132,12 @@ class ArithmeticTask:
         return self.tokenizer.encode(problem.prompt)
 
     def target_ids(self, problem: Problem) -> list[int]:
-        """The answer characters then <eos>."""
+        """The answer characters then <eos> (the supervised warm start's targets)."""
         return [*self.tokenizer.encode(problem.answer, add_bos=False), self.tokenizer.eos_id]
+
+    def rewards(self, problems: Sequence[Problem], responses: Sequence[Sequence[int]]) -> list[float]:
+        """Exact-match reward of each response."""
+        return [self.reward(p, r) for p, r in zip(problems, responses, strict=True)]
 
     def _split_at_eos(self, response_ids: Sequence[int]) -> tuple[list[int], bool]:
         """Tokens before the first <eos> within the length limit, and whether that <eos> exists."""
@@ -152,7 +165,7 @@ class ArithmeticTask:
         return None
 
 
-@register_task("arithmetic", ArithmeticConfig)
-def build_arithmetic_task(cfg: ArithmeticConfig) -> ArithmeticTask:
-    """Registry factory for :class:`ArithmeticTask`."""
+@register_task("arithmetic", check=check_arithmetic_config)
+def build_arithmetic_task(cfg: TaskConfig, model_path: str | None = None) -> ArithmeticTask:
+    """Registry factory for :class:`ArithmeticTask` (it brings its own tokenizer: `model_path` is unused)."""
     return ArithmeticTask(cfg)

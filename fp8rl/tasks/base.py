@@ -1,21 +1,28 @@
-"""What a verifiable-reward task provides, the task registry, and batch-level reward / garble metrics."""
+"""What a verifiable-reward task provides, the task registry, and batch-level reward / garble metrics.
+
+A task brings its tokenizer (the tiny task's character tokenizer, or a Hugging Face tokenizer loaded from
+the model's checkpoint), its problems (a training set and named evaluation sets), a reward and a garbled-
+output detector. Tasks are configured by the run's `TaskConfig` and registered by name; each registers a
+pure check of its config, run when the config is built (`fp8rl.choices`).
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from fp8rl.tasks.tokenizer import CharTokenizer
+from fp8rl.config import TaskConfig
 
 GARBLE_REASONS = (
     "invalid_token",  # a token outside the answer grammar (a special token, an operator, ...) before <eos>
     "no_eos",  # no <eos> within the response length limit
     "unparseable",  # only grammar characters before <eos>, but no answer can be read from them
 )
+HELDOUT = "heldout"  # the name of the tiny task's one evaluation set
 
 
 @dataclass(frozen=True)
@@ -26,24 +33,33 @@ class Problem:
     answer: str  # e.g. "579"
 
 
+class Tokenizer(Protocol):
+    """What the trainer, the engines and the rewards need from a tokenizer."""
+
+    vocab_size: int  # ids 0 .. vocab_size - 1 are real tokens (the model's embedding may have padding rows)
+    pad_id: int  # fills prompts (left) and responses (right)
+    eos_ids: tuple[int, ...]  # every id that ends a response (it is part of the response)
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
 class Task(Protocol):
     """A deterministic, verifiable-reward task with its own tokenizer."""
 
-    tokenizer: CharTokenizer
-    train_problems: list[Problem]  # prompts for warm start and RL
-    eval_problems: list[Problem]  # held out, disjoint from train_problems
+    name: str
+    tokenizer: Tokenizer
+    train_problems: list[Problem]  # RL prompts (and the warm start's, for tasks that have one)
+    eval_sets: dict[str, list[Problem]]  # benchmark name -> held-out problems
     max_response_tokens: int  # response length limit, EOS included
 
     def prompt_ids(self, problem: Problem) -> list[int]:
-        """Token ids of the prompt, starting with <bos>."""
+        """Token ids of the prompt as the model sees it (special tokens and chat template included)."""
         ...
 
-    def target_ids(self, problem: Problem) -> list[int]:
-        """Token ids of the reference response: the answer then <eos>."""
-        ...
-
-    def reward(self, problem: Problem, response_ids: Sequence[int]) -> float:
-        """1.0 for an exactly right answer before <eos>, else 0.0."""
+    def rewards(self, problems: Sequence[Problem], responses: Sequence[Sequence[int]]) -> list[float]:
+        """1.0 for a right answer, else 0.0, for each (problem, response ids) pair."""
         ...
 
     def garble_reason(self, response_ids: Sequence[int]) -> str | None:
@@ -54,17 +70,28 @@ class Task(Protocol):
 # ---------------------------------------------------------------------------------------------
 # Registry: name -> (config class, task factory). Unknown names raise and list the valid ones.
 
-_TASKS: dict[str, tuple[type, Callable[[Any], Task]]] = {}
+TaskFactory = Callable[[TaskConfig, "str | None"], Task]  # (task config, model checkpoint path) -> task
+ConfigCheck = Callable[[TaskConfig], None]  # raises ValueError saying what to change
 
 
-def register_task(name: str, config_cls: type) -> Callable[[Callable[[Any], Task]], Callable[[Any], Task]]:
-    """Decorator registering a factory ``config -> Task`` under ``name``; a different one under a taken name raises."""
+@dataclass(frozen=True)
+class _Entry:
+    factory: TaskFactory
+    check: ConfigCheck | None
 
-    def decorate(factory: Callable[[Any], Task]) -> Callable[[Any], Task]:
+
+_TASKS: dict[str, _Entry] = {}
+
+
+def register_task(name: str, check: ConfigCheck | None = None) -> Callable[[TaskFactory], TaskFactory]:
+    """Decorator registering ``factory(task_cfg, model_path) -> Task`` under ``name``, with a pure config check;
+    registering a different factory under a taken name raises."""
+
+    def decorate(factory: TaskFactory) -> TaskFactory:
         taken = _TASKS.get(name)
-        if taken is not None and taken != (config_cls, factory):
+        if taken is not None and taken.factory is not factory:
             raise ValueError(f"task {name!r} is already registered")
-        _TASKS[name] = (config_cls, factory)
+        _TASKS[name] = _Entry(factory, check)
         return factory
 
     return decorate
@@ -75,24 +102,22 @@ def task_names() -> list[str]:
     return sorted(_TASKS)
 
 
-def _lookup(name: str) -> tuple[type, Callable[[Any], Task]]:
+def _lookup(name: str) -> _Entry:
     if name not in _TASKS:
         raise KeyError(f"unknown task {name!r}; valid: {task_names()}")
     return _TASKS[name]
 
 
-def task_config(name: str, **overrides: Any) -> Any:
-    """The config dataclass of task ``name`` with its defaults and ``overrides``."""
-    config_cls, _ = _lookup(name)
-    return config_cls(**overrides)
+def check_task_config(cfg: TaskConfig) -> None:
+    """The registered task's own check of `cfg` (ValueError saying what to change); unknown names raise KeyError."""
+    entry = _lookup(cfg.name)
+    if entry.check is not None:
+        entry.check(cfg)
 
 
-def build_task(cfg: Any) -> Task:
-    """The task for a config produced by :func:`task_config` (its ``name`` field selects the task)."""
-    config_cls, factory = _lookup(cfg.name)
-    if not isinstance(cfg, config_cls):
-        raise TypeError(f"task {cfg.name!r} expects a {config_cls.__name__}, got {type(cfg).__name__}")
-    return factory(cfg)
+def build_task(cfg: TaskConfig, model_path: str | None = None) -> Task:
+    """The task `cfg.name` configured by `cfg`; `model_path` is the policy's checkpoint (its tokenizer)."""
+    return _lookup(cfg.name).factory(cfg, model_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +128,7 @@ def batch_rewards(task: Task, problems: Sequence[Problem], responses: Sequence[S
     """Rewards of a batch of responses -> (batch,) fp32."""
     if len(problems) != len(responses):
         raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
-    return torch.tensor([task.reward(p, r) for p, r in zip(problems, responses, strict=True)], dtype=torch.float32)
+    return torch.tensor(task.rewards(problems, responses), dtype=torch.float32)
 
 
 def garble_metrics(reasons: Sequence[str | None]) -> dict[str, float]:

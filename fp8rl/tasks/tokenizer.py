@@ -35,6 +35,11 @@ class CharTokenizer:
         return token_id
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids that end a response: <eos>."""
+        return (self.eos_id,)
+
+    @property
     def vocab_size(self) -> int:
         """Number of tokens, special tokens included."""
         return self.tokenizer.get_vocab_size()

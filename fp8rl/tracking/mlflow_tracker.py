@@ -1,43 +1,71 @@
-"""MLflow tracking with batched per-step metrics, local buffering when the server is away, and resume.
+"""MLflow tracking for one run: one layer, one local write-ahead log (WAL), MLflow's own async logging.
 
-The trainer is handed a `Tracker`; the maths never imports this module. Metrics of one step go out in
-one `log_batch` call. If a call fails (server unreachable), the metrics are appended to a local JSONL
-buffer and retried at the next step and at the end, so nothing is lost. A resumed run continues the
-same MLflow run and skips steps MLflow already has, so no step is logged twice.
+The trainer is handed a `Tracker`; the maths never imports this module.
+
+- Start: the store is probed with a short timeout (`probe_store`). A dead store is a clear error before
+  anything is built, unless ``tracking.offline`` asks to train anyway: the run then starts offline.
+- Runs are created with MLflow's standard tags (`resolve_tags`: user, source, git commit), a description
+  (``mlflow.note.content``), params (credentials in URIs redacted) and tags; a resumed run continues the
+  same MLflow run.
+- ``log_metrics`` appends the step's record to the WAL in the run folder (a local append), then hands it
+  to MLflow's asynchronous ``log_batch`` and returns. NaN and inf are logged as such. The WAL is deleted
+  when the run ends with every record confirmed; a run killed in between replays it on resume (steps
+  MLflow already has are skipped, so no step is logged twice).
+- Offline (store unreachable at start, or lost mid-run): records stay in the WAL; the store is probed
+  again every ``RETRY_EVERY_S`` seconds and, once it answers, the run is created (or continued) and the
+  WAL is uploaded in order. A run that ends offline leaves its WAL and says how to upload it later
+  (``python -m fp8rl.tracking.sync <run folder>``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
+import re
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-PARAM_VALUE_LIMIT = 500
+PARAM_VALUE_LIMIT = 6000
+RETRY_EVERY_S = 30.0
+FINISH_WAIT_S = 120.0
+WAL_NAME = "tracking_wal.jsonl"
+EXPERIMENT_KIND = "finetuning"  # the MLflow UI's model-training view (not the GenAI one)
+_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+_METRIC_NAME_INVALID = re.compile(r"[^A-Za-z0-9_\-. :/]")  # what MLflow accepts in a metric name
+_REQUEST_ERRORS = ("INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE")
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking store did not answer; the message says what to do."""
 
 
 class Tracker(Protocol):
-    """What the trainer needs from experiment tracking."""
+    """What the training loop needs from experiment tracking."""
 
     run_id: str | None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def log_figure(self, figure: Any, artifact_file: str) -> None: ...
     def last_logged_step(self) -> int: ...
     def finish(self, status: str = "FINISHED") -> None: ...
 
 
 class NullTracker:
-    """Tracks nothing (tests, or tracking disabled); remembers metrics in memory for inspection."""
+    """Tracks nothing (tests, other ranks, tracking disabled); remembers metrics in memory for inspection."""
 
     def __init__(self) -> None:
         self.run_id: str | None = None
         self.history: list[tuple[int, dict[str, float]]] = []
+        self.status: str | None = None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.history.append((step, dict(metrics)))
@@ -45,11 +73,14 @@ class NullTracker:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         return None
 
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        return None
+
     def last_logged_step(self) -> int:
         return self.history[-1][0] if self.history else -1
 
     def finish(self, status: str = "FINISHED") -> None:
-        return None
+        self.status = status
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
@@ -57,113 +88,272 @@ def resolve_tracking_uri(configured: str | None) -> str:
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
-class MlflowTracker:
-    """One MLflow run: params, tags, batched metrics with a local fallback buffer, artifacts."""
+def redact(value: str) -> str:
+    """``https://user:token@host/x`` -> ``https://***@host/x`` (credentials never reach params or tags)."""
+    return _CREDENTIALS.sub(r"\g<scheme>***@", value)
 
-    def __init__(
-        self,
-        tracking_uri: str,
-        experiment: str,
-        run_name: str,
-        buffer_path: str | Path,
-        resume_run_id: str | None = None,
-        parent_run_id: str | None = None,
-        tags: dict[str, str] | None = None,
-    ) -> None:
-        from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        self.tracking_uri = tracking_uri
-        self.buffer_path = Path(buffer_path)
-        self._last_step_in_store = -1
-        if resume_run_id:
-            self.run_id = resume_run_id
-            self.client.update_run(resume_run_id, status="RUNNING")
-            self._last_step_in_store = self._max_logged_step()
-        else:
-            experiment_id = self._experiment_id(experiment)
-            all_tags = dict(tags or {})
-            all_tags["mlflow.runName"] = run_name
-            if parent_run_id:
-                all_tags["mlflow.parentRunId"] = parent_run_id
-            self.run_id = self.client.create_run(experiment_id, tags=all_tags, run_name=run_name).info.run_id
-
-    def _experiment_id(self, name: str) -> str:
-        found = self.client.get_experiment_by_name(name)
-        return found.experiment_id if found else self.client.create_experiment(name)
-
-    def _max_logged_step(self) -> int:
-        run = self.client.get_run(self.run_id)
-        steps = [-1]
-        for key in list(run.data.metrics)[:5]:
-            steps.extend(m.step for m in self.client.get_metric_history(self.run_id, key))
-        return max(steps)
-
-    def last_logged_step(self) -> int:
-        return self._last_step_in_store
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        items = [Param(k, str(v)[:PARAM_VALUE_LIMIT]) for k, v in params.items()]
-        for start in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[start : start + 100])
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, str(value))
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Log one step's metrics in a single call; skip steps already in the store (resume)."""
-        if step <= self._last_step_in_store:
-            return
-        record = {"step": step, "timestamp": int(time.time() * 1000), "metrics": _finite(metrics)}
-        self._append_buffer(record)
-        self.flush()
-
-    def _append_buffer(self, record: dict) -> None:
-        self.buffer_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.buffer_path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-
-    def flush(self) -> bool:
-        """Upload buffered steps; on failure keep them for the next try. Returns True when empty."""
-        if not self.buffer_path.exists():
-            return True
-        from mlflow.entities import Metric
-
-        records = _read_records(self.buffer_path)
+def probe_store(uri: str, timeout_s: float) -> None:
+    """Raise TrackingUnavailable when the store at `uri` cannot be reached within `timeout_s` seconds."""
+    if uri.startswith(("http://", "https://")):
+        url = uri.rstrip("/") + "/health"
         try:
-            for rec in records:
-                if rec["step"] <= self._last_step_in_store:
-                    continue
-                metrics = [Metric(k, v, rec["timestamp"], rec["step"]) for k, v in rec["metrics"].items()]
-                for start in range(0, len(metrics), 1000):
-                    self.client.log_batch(self.run_id, metrics=metrics[start : start + 1000])
-                self._last_step_in_store = rec["step"]
-        except Exception as err:  # noqa: BLE001 - any transport error means "try later"
-            log.warning("MLflow unreachable (%s); %d step(s) buffered in %s", err, len(records), self.buffer_path)
-            remaining = [r for r in records if r["step"] > self._last_step_in_store]
-            self.buffer_path.write_text("".join(json.dumps(r) + "\n" for r in remaining))
-            return False
-        self.buffer_path.unlink()
-        return True
+            with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - the user's store
+                if response.status == 200:
+                    return
+                raise TrackingUnavailable(f"MLflow server {redact(uri)} answered {response.status} on /health")
+        except (urllib.error.URLError, OSError) as err:
+            raise TrackingUnavailable(
+                f"MLflow server {redact(uri)} did not answer within {timeout_s:.0f} s ({err}). Start it, point "
+                "tracking.tracking_uri (or $MLFLOW_TRACKING_URI) at a live store, set tracking.offline=true to "
+                "train now and upload later, or tracking.enabled=false"
+            ) from err
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).resolve().parent
+        if not folder.is_dir():
+            raise TrackingUnavailable(f"the folder of the sqlite store {uri} does not exist: create it or fix the URI")
+
+
+@dataclass
+class RunSpec:
+    """What identifies and describes the MLflow run of a training run."""
+
+    tracking_uri: str
+    experiment: str
+    run_name: str
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+    parent_run_id: str | None = None
+    resume_run_id: str | None = None  # continue this run instead of creating one
+    artifacts: list[tuple[str, str | None]] = field(default_factory=list)  # (local path, artifact folder)
+    attempt_tags: dict[str, str] = field(default_factory=dict)  # set on every start, resumed runs too
+    system_metrics: bool = True
+
+
+class MlflowTracker:
+    """One MLflow run (module docstring). ``out_dir`` holds the WAL."""
+
+    def __init__(self, spec: RunSpec, out_dir: str | Path, connect_timeout_s: float, offline_ok: bool) -> None:
+        self.spec = spec
+        self.wal_path = Path(out_dir) / WAL_NAME
+        self.run_id: str | None = None
+        self._client: Any = None
+        self._pending: list[tuple[int, Any]] = []  # (step, RunOperations) not yet confirmed
+        self._confirmed_step = -1
+        self._last_probe = 0.0
+        self._system_monitor: Any = None
+        self.wal_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            probe_store(spec.tracking_uri, connect_timeout_s)
+        except TrackingUnavailable:
+            if not offline_ok:
+                raise
+            log.warning("tracking store unreachable: training offline, records kept in %s", self.wal_path)
+            self._write_wal({"kind": "start", "spec": _spec_record(spec)})
+            return
+        self._go_online()
+
+    # ------------------------------------------------------------------------------------------ Tracker
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Append the step to the WAL, then upload it asynchronously (steps MLflow already has are skipped)."""
+        record = {"kind": "metrics", "step": step, "timestamp": _now_ms(), "metrics": _plain(metrics)}
+        self._write_wal(record)
+        self._collect_finished()
+        if self.online:
+            self._send(record)
+        else:
+            self._maybe_reconnect()
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if not self.online:
+            self._write_wal({"kind": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
+            return
         try:
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
-        except Exception as err:  # noqa: BLE001
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
+        except Exception as err:  # noqa: BLE001 - an artifact that fails to upload must not stop training
             log.warning("could not log artifact %s: %s", path, err)
 
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        """A matplotlib figure as an image artifact (saved next to the WAL too, so nothing is lost offline)."""
+        local = self.wal_path.parent / "figures" / artifact_file
+        local.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(local, dpi=110, bbox_inches="tight")
+        self.log_artifact(local, str(Path("figures", artifact_file).parent))
+
+    def last_logged_step(self) -> int:
+        return self._confirmed_step
+
+    @property
+    def online(self) -> bool:
+        return self.run_id is not None and self._client is not None
+
     def finish(self, status: str = "FINISHED") -> None:
-        flushed = self.flush()
-        if not flushed:
-            log.error("metrics left in %s: MLflow was unreachable at the end of the run", self.buffer_path)
-        self.client.set_terminated(self.run_id, status=status)
+        """Wait (bounded) for pending uploads, mark the run, delete the WAL if every record is stored."""
+        if self._system_monitor is not None:
+            self._system_monitor.finish()
+            self._system_monitor = None
+        if not self.online:
+            self._maybe_reconnect(force=True)
+        if not self.online:
+            self._write_wal({"kind": "end", "status": status})
+            log.error(
+                "MLflow was unreachable at the end of the run: its records are in %s; upload them with "
+                "`python -m fp8rl.tracking.sync %s` once the store is back",
+                self.wal_path,
+                self.wal_path.parent,
+            )
+            return
+        uploaded = self._drain(FINISH_WAIT_S)
+        try:
+            self._client.set_terminated(self.run_id, status=status)
+        except Exception as err:  # noqa: BLE001
+            log.error("could not mark MLflow run %s %s: %s", self.run_id, status, err)
+            uploaded = False
+        if uploaded:
+            self.wal_path.unlink(missing_ok=True)
+        else:
+            log.error("metrics that did not reach MLflow stay in %s (`python -m fp8rl.tracking.sync`)", self.wal_path)
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _go_online(self) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=self.spec.tracking_uri)
+        records = self._read_wal()
+        start = next((r for r in records if r["kind"] == "start"), None)
+        resume = self.spec.resume_run_id or next((r["run_id"] for r in records if r["kind"] == "run"), None)
+        if resume is not None:
+            self.run_id = resume
+            self._client.update_run(resume, status="RUNNING")
+            self._confirmed_step = _max_logged_step(self._client, resume)
+        else:
+            self.run_id = self._create_run()
+            self._write_wal({"kind": "run", "run_id": self.run_id})
+        if start is not None or resume is None:
+            self._log_description()
+        for key, value in self.spec.attempt_tags.items():
+            self._client.set_tag(self.run_id, key, redact(str(value)))
+        self._replay(records)
+        self._start_system_metrics()
+
+    def _create_run(self) -> str:
+        from mlflow.tracking.context.registry import resolve_tags
+
+        spec, client = self.spec, self._client
+        experiment = client.get_experiment_by_name(spec.experiment)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(spec.experiment)
+        client.set_experiment_tag(experiment_id, "mlflow.experimentKind", EXPERIMENT_KIND)
+        tags = {**spec.tags, "mlflow.runName": spec.run_name, "mlflow.note.content": spec.description}
+        if spec.parent_run_id:
+            tags["mlflow.parentRunId"] = spec.parent_run_id
+        tags = {k: redact(str(v)) for k, v in resolve_tags(tags).items()}
+        return client.create_run(experiment_id, tags=tags, run_name=spec.run_name).info.run_id
+
+    def _log_description(self) -> None:
+        """Params, artifacts named in the spec (configs, command line), once per run."""
+        from mlflow.entities import Param
+
+        items = [Param(k, redact(str(v))[:PARAM_VALUE_LIMIT]) for k, v in self.spec.params.items()]
+        existing = set(self._client.get_run(self.run_id).data.params)
+        items = [p for p in items if p.key not in existing]
+        for start in range(0, len(items), 100):
+            self._client.log_batch(self.run_id, params=items[start : start + 100])
+        for path, folder in self.spec.artifacts:
+            self.log_artifact(path, folder)
+
+    def _send(self, record: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        if record["step"] <= self._confirmed_step:
+            return
+        metrics = [Metric(metric_name(k), v, record["timestamp"], record["step"]) for k, v in record["metrics"].items()]
+        try:
+            operations = self._client.log_batch(self.run_id, metrics=metrics, synchronous=False)
+        except Exception as err:  # noqa: BLE001 - the store went away: keep the WAL, retry later
+            self._on_error(err)
+            return
+        self._pending.append((record["step"], operations))
+
+    def _collect_finished(self) -> None:
+        """Confirm uploads that completed; a failed one sends the tracker offline (the WAL keeps the data)."""
+        while self._pending and all(f.done() for f in self._pending[0][1]._operation_futures):
+            step, operations = self._pending.pop(0)
+            try:
+                operations.wait()
+            except Exception as err:  # noqa: BLE001
+                if self._on_error(err):
+                    return
+            self._confirmed_step = max(self._confirmed_step, step)
+
+    def _drain(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            self._collect_finished()
+            if self._pending:
+                time.sleep(0.05)
+        if not self.online:
+            return False
+        return not self._pending
+
+    def _on_error(self, err: BaseException) -> bool:
+        """A refused request is logged and dropped (retrying cannot help); anything else means the store
+        went away. Returns whether the tracker went offline."""
+        if any(code in str(err) for code in _REQUEST_ERRORS):
+            log.error("MLflow refused a tracking request (dropped; the record stays in %s): %s", self.wal_path, err)
+            return False
+        self._lose_store(err)
+        return True
+
+    def _lose_store(self, err: BaseException) -> None:
+        log.warning("MLflow store lost (%s); records stay in %s and are uploaded when it returns", err, self.wal_path)
+        self._client, self._pending = None, []
+        self._last_probe = time.monotonic()
+
+    def _maybe_reconnect(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._last_probe < RETRY_EVERY_S:
+            return
+        self._last_probe = time.monotonic()
+        try:
+            probe_store(self.spec.tracking_uri, timeout_s=5.0)
+        except TrackingUnavailable:
+            return
+        log.info("MLflow store reachable again: uploading %s", self.wal_path)
+        self._go_online()
+
+    def _replay(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            if record["kind"] == "metrics":
+                self._send(record)
+            elif record["kind"] == "artifact" and Path(record["path"]).exists():
+                self.log_artifact(record["path"], record.get("artifact_path"))
+
+    def _start_system_metrics(self) -> None:
+        if not self.spec.system_metrics or self._system_monitor is not None:
+            return
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system_monitor = SystemMetricsMonitor(
+                self.run_id, sampling_interval=10, resume_logging=True, tracking_uri=self.spec.tracking_uri
+            )
+            self._system_monitor.start()
+        except Exception as err:  # noqa: BLE001 - system metrics are a nicety (psutil missing, no GPU tools)
+            log.info("system metrics not logged: %s", err)
+            self._system_monitor = None
+
+    def _write_wal(self, record: dict[str, Any]) -> None:
+        with open(self.wal_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def _read_wal(self) -> list[dict[str, Any]]:
+        return read_wal(self.wal_path)
 
 
-def _read_records(path: Path) -> list[dict]:
-    """Buffered steps; a line torn by a kill mid-write is skipped (its step is re-run on resume)."""
+def read_wal(path: Path) -> list[dict[str, Any]]:
+    """The WAL's records; a line torn by a kill mid-write is skipped (its step is re-run on resume)."""
+    if not path.exists():
+        return []
     records = []
     for line in path.read_text().splitlines():
         try:
@@ -173,6 +363,28 @@ def _read_records(path: Path) -> list[dict]:
     return records
 
 
-def _finite(metrics: dict[str, float]) -> dict[str, float]:
-    """MLflow rejects NaN in some stores; non-finite values are logged as NaN-free sentinels dropped here."""
-    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+def _max_logged_step(client: Any, run_id: str) -> int:
+    """The highest step MLflow holds for the run (over its first metrics; every step logs them all)."""
+    run = client.get_run(run_id)
+    steps = [-1]
+    for key in list(run.data.metrics)[:5]:
+        steps.extend(m.step for m in client.get_metric_history(run_id, key))
+    return max(steps)
+
+
+def metric_name(key: str) -> str:
+    """`key` with the characters MLflow refuses in a metric name replaced by "_"."""
+    return _METRIC_NAME_INVALID.sub("_", key)
+
+
+def _spec_record(spec: RunSpec) -> dict[str, Any]:
+    return {"experiment": spec.experiment, "run_name": spec.run_name}
+
+
+def _plain(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Floats, NaN and inf included (JSON writes them as NaN/Infinity; MLflow stores them as such)."""
+    return {k: float(v) for k, v in metrics.items() if v is not None and not isinstance(v, str)}
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

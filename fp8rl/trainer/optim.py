@@ -9,9 +9,18 @@ DDP + (distributed) Adam with FP32 master weights (GPU, Transformer Engine).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+
+class PolicyOptimizer(Protocol):
+    """What the trainer needs from an optimizer (module docstring)."""
+
+    def zero_grad(self) -> None: ...
+    def clip_and_step(self, max_norm: float) -> tuple[torch.Tensor, bool]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class TorchPolicyOptimizer:

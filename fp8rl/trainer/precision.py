@@ -29,10 +29,16 @@ class PrecisionPlan:
     compute: str = "bf16"
 
 
+def recipe_of(cfg: PrecisionConfig) -> Fp8Recipe:
+    """The FP8 recipe the config names, with its delayed-scaling settings."""
+    delayed = {"amax_history_len": cfg.amax_history_len, "amax_compute_algo": cfg.amax_compute_algo}
+    return get_recipe(cfg.recipe, fmt=cfg.fmt, scaling=cfg.scaling, margin=cfg.margin, **delayed)
+
+
 def plan_precision(cfg: PrecisionConfig) -> PrecisionPlan:
-    recipe = get_recipe(cfg.recipe, fmt=cfg.fmt, scaling=cfg.scaling)
     if cfg.mode == "bf16":
         return PrecisionPlan(None, None)
+    recipe = recipe_of(cfg)
     if cfg.mode == "fp8_rollout":
         return PrecisionPlan(recipe, None)
     return PrecisionPlan(recipe, recipe)

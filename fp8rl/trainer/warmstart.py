@@ -25,28 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fp8rl.config import TaskConfig, WarmStartConfig
 from fp8rl.models.config import ModelConfig, with_tokenizer_vocab
-from fp8rl.models.generate import SamplingConfig, generate
+from fp8rl.models.generate import generate
 from fp8rl.models.gpt import build_gpt_model, compute_precision
 from fp8rl.models.logprobs import forward_logits, left_pad
-from fp8rl.tasks.base import Problem, Task, build_task, garble_metrics
+from fp8rl.models.sampling import SamplingConfig
+from fp8rl.tasks.base import Problem, Task, garble_metrics
 
-CACHE_FORMAT_VERSION = 1  # bump when the training recipe or the file layout changes meaning
-DEFAULT_CACHE_DIR = Path(".cache/warmstart")
-
-
-@dataclass(frozen=True)
-class WarmStartConfig:
-    """Supervised warm start of the policy before RL."""
-
-    steps: int = 400  # optimizer steps (tiny + 3-digit addition: 20% greedy accuracy at 300, 59% at 400)
-    lr: float = 1e-3  # AdamW learning rate, constant
-    batch_size: int = 256  # problems per step, drawn with replacement from the task's train set
-    weight_decay: float = 0.0  # AdamW weight decay
-    grad_clip: float = 1.0  # max global gradient norm
-    precision: str = "bf16"  # compute precision ("fp32" or "bf16" autocast); weights stay fp32
-    seed: int = 0  # model init and batch sampling
-    eval_batch_size: int = 512  # prompts per greedy-decoding batch in the final evaluation
+CACHE_FORMAT_VERSION = 2  # bump when the training recipe or the file layout changes meaning
 
 
 @dataclass(frozen=True)
@@ -57,13 +44,14 @@ class WarmStartResult:
     metadata: dict[str, Any]  # configs, eval accuracy, train seconds (the JSON sidecar's content)
 
 
-def warmstart_key(model_cfg: ModelConfig, task_cfg: Any, ws_cfg: WarmStartConfig) -> str:
+def warmstart_key(model_cfg: ModelConfig, task_cfg: TaskConfig, ws_cfg: WarmStartConfig) -> str:
     """16 hex digits identifying a warm start (model config with resolved vocab, task config, recipe)."""
+    recipe = {k: v for k, v in dataclasses.asdict(ws_cfg).items() if k not in ("cache_dir", "eval_batch_size")}
     payload = {
         "format": CACHE_FORMAT_VERSION,
         "model": dataclasses.asdict(model_cfg),
         "task": dataclasses.asdict(task_cfg),
-        "warmstart": dataclasses.asdict(ws_cfg),
+        "warmstart": recipe,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -106,7 +94,7 @@ def greedy_eval(model: torch.nn.Module, task: Task, problems: Sequence[Problem],
     """Greedy-decoding accuracy and garble rates on ``problems`` (``eval/`` and ``rollout/`` keys)."""
     sampling = SamplingConfig(
         max_new_tokens=task.max_response_tokens,
-        eos_token_id=task.tokenizer.eos_id,
+        eos_token_ids=task.tokenizer.eos_ids,
         pad_token_id=task.tokenizer.pad_id,
         temperature=0.0,
         vocab_size=task.tokenizer.vocab_size,
@@ -116,8 +104,9 @@ def greedy_eval(model: torch.nn.Module, task: Task, problems: Sequence[Problem],
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         prompt_ids, prompt_mask = left_pad([task.prompt_ids(p) for p in chunk], task.tokenizer.pad_id)
-        responses = generate(model, prompt_ids, prompt_mask, sampling).tokens.tolist()
-        rewards += [task.reward(p, r) for p, r in zip(chunk, responses, strict=True)]
+        out = generate(model, prompt_ids, prompt_mask, sampling)
+        responses = [row[mask.bool()].tolist() for row, mask in zip(out.tokens, out.response_mask, strict=True)]
+        rewards += task.rewards(chunk, responses)
         reasons += [task.garble_reason(r) for r in responses]
     return {"eval/accuracy": sum(rewards) / len(rewards), **garble_metrics(reasons)}
 
@@ -171,27 +160,12 @@ def cache_paths(cache_dir: Path, key: str) -> tuple[Path, Path]:
     return cache_dir / f"warmstart-{key}.safetensors", cache_dir / f"warmstart-{key}.json"
 
 
-def load_or_train_warmstart(
-    model_cfg: ModelConfig,
-    task_cfg: Any,
-    ws_cfg: WarmStartConfig,
-    cache_dir: str | Path | None = None,
-) -> Path:
-    """Path of the warm-started weights for these configs, training and caching them on first use."""
-    return warmstart(model_cfg, task_cfg, ws_cfg, cache_dir).weights_path
-
-
-def warmstart(
-    model_cfg: ModelConfig,
-    task_cfg: Any,
-    ws_cfg: WarmStartConfig,
-    cache_dir: str | Path | None = None,
-) -> WarmStartResult:
-    """As :func:`load_or_train_warmstart`, with the metadata (eval accuracy, train time) as well."""
-    task = build_task(task_cfg)
+def warmstart(model_cfg: ModelConfig, task: Task, task_cfg: TaskConfig, ws_cfg: WarmStartConfig) -> WarmStartResult:
+    """The warm-started weights for these configs (trained and cached under ``ws_cfg.cache_dir`` on first use)
+    and their metadata (eval accuracy, train time)."""
     resolved_cfg = with_tokenizer_vocab(model_cfg, task.tokenizer.vocab_size)
     key = warmstart_key(resolved_cfg, task_cfg, ws_cfg)
-    weights_path, metadata_path = cache_paths(Path(cache_dir or DEFAULT_CACHE_DIR), key)
+    weights_path, metadata_path = cache_paths(Path(ws_cfg.cache_dir), key)
     if weights_path.exists() and metadata_path.exists():
         return WarmStartResult(weights_path, json.loads(metadata_path.read_text()))
 

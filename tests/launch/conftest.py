@@ -20,8 +20,8 @@ def tiny_overrides(warmstart_dir: Path, steps: int = 2) -> list[str]:
         f"warmstart.cache_dir={warmstart_dir}",
         "task.num_eval=32",
         f"trainer.steps={steps}",
-        "trainer.eval_size=16",
-        "trainer.eval_every=0",
+        "eval.size=16",
+        "eval.every=0",
         "trainer.checkpoint_every=1",
         "trainer.log_ratio_histograms=false",
         "algo.prompts_per_step=4",
@@ -38,8 +38,3 @@ def warmstart_dir(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture(scope="session")
 def tiny(warmstart_dir: Path) -> list[str]:
     return tiny_overrides(warmstart_dir)
-
-
-@pytest.fixture
-def sqlite_uri(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -44,8 +44,8 @@ def test_unknown_arguments_are_refused() -> None:
 def test_compare_of_an_unknown_experiment(sqlite_uri: str) -> None:
     with pytest.raises(SystemExit, match="no MLflow store at"):
         main(["compare", "--experiment", "nope", "--tracking-uri", sqlite_uri])
-    from fp8rl.launch import runs
+    from fp8rl.tracking import store as runs
 
     runs.client(sqlite_uri).search_experiments()  # creates the store
-    with pytest.raises(SystemExit, match="no MLflow experiment named 'nope'"):
+    with pytest.raises(SystemExit, match="no MLflow experiment 'nope' in sqlite:///mlflow.db: run its sweep first"):
         main(["compare", "--experiment", "nope", "--tracking-uri", sqlite_uri])

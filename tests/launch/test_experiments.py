@@ -137,7 +137,7 @@ def test_unknown_experiment_and_scale() -> None:
 def test_a_representative_point_of_each_experiment_runs_two_steps(
     experiment: str, tmp_path: Path, tiny: list[str]
 ) -> None:
-    from fp8rl.launch.job import TrainJob
+    from fp8rl.launch.train_job import TrainJob
 
     definition = expand_experiment(experiment, "tiny", [*tiny, "tracking.enabled=false"])
     run = prepare(definition, experiment, resolve_launcher("inline"), URI, tmp_path)[-1]

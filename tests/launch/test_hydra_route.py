@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8rl.launch.services import slurm_ready
+from tests.support.services import slurm_ready
 
 from .conftest import tiny_overrides
 
@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _multirun(tmp_path: Path, warmstart_dir: Path, launcher: str, extra: list[str]) -> subprocess.CompletedProcess:
     overrides = [*tiny_overrides(warmstart_dir, steps=1), "tracking.enabled=false", "precision=fp8_rollout"]
+    overrides.append("trainer.out_dir=${hydra:runtime.output_dir}")  # the run folders inside the sweep folder
     cmd = [sys.executable, "-m", "fp8rl.train", "-m", f"hydra/launcher={launcher}",
            f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides, *extra]  # fmt: skip
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)

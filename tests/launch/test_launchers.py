@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import submitit.slurm.slurm as submitit_slurm
 
-from fp8rl.config import ConfigError, RunConfig
+from fp8rl.config import ConfigError, RunConfig, with_overrides
 from fp8rl.launch.experiment import SWEEPS_DIR
 from fp8rl.launch.launchers import PROFILES_DIR, check_fits, load_profile, make_executor, resolve_launcher
 
@@ -51,8 +51,7 @@ def test_a_profile_can_be_a_path(tmp_path: Path) -> None:
 
 
 def test_gpu_only_settings_on_a_cpu_launcher_say_what_to_change() -> None:
-    cfg = RunConfig()
-    cfg.model.device = "cuda"
+    cfg = with_overrides(RunConfig(), {"model.device": "cuda"})
     with pytest.raises(ConfigError, match=r"model.device=cuda need a GPU, but launcher slurm \(profile local\)"):
         check_fits(cfg, resolve_launcher("slurm", "local"))
     # the tiny model is one process on one GPU: an 8-rank node profile does not fit its layout
@@ -105,11 +104,11 @@ def _compose_launcher(overrides: list[str]) -> dict:
 def test_a_vllm_fp8_recipe_that_only_runs_on_gpu_is_refused_on_a_cpu_launcher() -> None:
     from fp8rl.launch.launchers import gpu_requirements
 
-    cfg = RunConfig()
-    cfg.rollout.engine, cfg.precision.mode, cfg.precision.recipe = "vllm", "fp8_rollout", "blockwise"
+    changes = {"rollout.engine": "vllm", "precision.mode": "fp8_rollout", "precision.recipe": "blockwise"}
+    cfg = with_overrides(RunConfig(), changes)
     (need,) = gpu_requirements(cfg)
     assert need.startswith("rollout.engine=vllm with precision.recipe=blockwise") and "rowwise" in need
     with pytest.raises(ConfigError, match="need a GPU, but launcher local has none"):
         check_fits(cfg, resolve_launcher("local"))
-    cfg.precision.recipe = "rowwise"  # vLLM's CPU build runs rowwise FP8
+    cfg = with_overrides(cfg, {"precision.recipe": "rowwise"})  # vLLM's CPU build runs rowwise FP8
     assert gpu_requirements(cfg) == []

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from fp8rl.job.run import existing_runs
 from fp8rl.launch import SweepRequest, run_sweep
-from fp8rl.launch import runs as mlflow_runs
 from fp8rl.launch.experiment import expand_points
-from fp8rl.launch.job import existing_runs
 from fp8rl.launch.launchers import resolve_launcher
 from fp8rl.launch.sweep import SweepReport, define, job_name, mark_existing, mark_in_flight, prepare
+from fp8rl.tracking import store as mlflow_runs
 
 POINTS = [["precision=bf16"], ["precision=fp8_full", "recipe=blockwise"]]
 
@@ -54,10 +54,10 @@ def test_sweep_nests_tags_resumes_and_skips(tmp_path: Path, tiny: list[str], sql
     assert [r.status for r in dry.runs] == ["new", "new"] and not dry.submitted
     assert not Path(sqlite_uri.removeprefix("sqlite:///")).exists(), "a dry run creates nothing"
 
-    # An interrupted run: point 1 stopped after its first step (checkpoint at step 1, MLflow run RUNNING).
-    from fp8rl.trainer.run import run
+    # An interrupted run: point 1 stopped after its first step (checkpoint at step 1, MLflow run SCHEDULED).
+    from fp8rl.job import run_job
 
-    run(_planned(req, create=True).runs[1].cfg, stop_after=1)
+    run_job(_planned(req, create=True).runs[1].cfg, stop_after=1)
 
     report = run_sweep(req)
     assert [r.status for r in report.runs] == ["new", "resume"]
@@ -93,17 +93,17 @@ def test_existing_runs_are_found_by_hash_under_the_parent(tmp_path: Path, sqlite
     )
     mark_existing(report, create=True, definition=definition)
     cfg, digest = report.runs[0].cfg, report.runs[0].config_hash
-    assert existing_runs(cfg, digest) == (None, None)
+    assert existing_runs(cfg, sqlite_uri, digest) == (None, None)
     client = mlflow_runs.client(sqlite_uri)
     tags = {mlflow_runs.HASH_TAG: digest, "mlflow.parentRunId": report.parent_run_id}
     killed = client.create_run(report.experiment_id, tags=tags).info.run_id
     client.set_terminated(killed, "KILLED")
-    assert existing_runs(cfg, digest) == (None, killed)
+    assert existing_runs(cfg, sqlite_uri, digest) == (None, killed)
     assert [r.status for r in run_sweep(SweepRequest(**{**req.__dict__, "dry_run": True})).runs] == ["resume"]
     client.set_terminated(killed, "FINISHED")
-    assert existing_runs(cfg, digest) == (killed, None)
+    assert existing_runs(cfg, sqlite_uri, digest) == (killed, None)
     client.create_run(report.experiment_id, tags={**tags, mlflow_runs.HASH_TAG: "other"})
-    assert existing_runs(cfg, digest) == (killed, None)
+    assert existing_runs(cfg, sqlite_uri, digest) == (killed, None)
 
 
 def test_queued_or_running_slurm_jobs_are_not_submitted_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

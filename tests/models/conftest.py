@@ -16,3 +16,8 @@ def tiny_cfg() -> ModelConfig:
 @pytest.fixture()
 def tiny_model(tiny_cfg):
     return build_gpt_model(tiny_cfg, seed=0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _megatron(megatron: None) -> None:
+    """Every model test runs with megatron's process state set up (tests/conftest.py)."""

@@ -3,15 +3,36 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from fp8rl.models.cpu_compat import CpuGlobalMemoryBuffer, CpuRNGStatesTracker, init_megatron_cpu
+from fp8rl.models.cpu_compat import CpuGlobalMemoryBuffer, CpuRNGStatesTracker
 from fp8rl.models.logprobs import causal_padding_mask
+from fp8rl.models.runtime import init_megatron
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches are not applied on a CUDA host")
 
 
+def test_a_model_build_needs_megatron_initialised_first_and_a_layout_cannot_change() -> None:
+    """Building a model never sets megatron up behind the caller's back (a fresh process shows it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from fp8rl.models.config import get_model_config, with_tokenizer_vocab\n"
+        "from fp8rl.models.gpt import build_gpt_model\n"
+        "from fp8rl.models.runtime import init_megatron\n"
+        "cfg = with_tokenizer_vocab(get_model_config('tiny'), 18)\n"
+        "try:\n    build_gpt_model(cfg)\nexcept RuntimeError as err:\n    assert 'init_megatron' in str(err), err\n"
+        "else:\n    raise SystemExit('built without megatron')\n"
+        "init_megatron(1, 1)\nbuild_gpt_model(cfg)\n"
+        "try:\n    init_megatron(2, 1)\nexcept RuntimeError as err:\n    assert 'cannot change' in str(err), err\n"
+        "else:\n    raise SystemExit('layout changed')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_init_is_idempotent_and_single_rank():
-    init_megatron_cpu(seed=0)
-    init_megatron_cpu(seed=0)
+    init_megatron(seed=0)
+    init_megatron(seed=0)
     assert dist.is_initialized() and dist.get_world_size() == 1
     assert parallel_state.model_parallel_is_initialized()
     assert parallel_state.get_tensor_model_parallel_world_size() == 1
@@ -20,7 +41,7 @@ def test_init_is_idempotent_and_single_rank():
 
 @cpu_only
 def test_memory_buffer_is_on_cpu_and_reused():
-    init_megatron_cpu(seed=0)
+    init_megatron(seed=0)
     buffer = parallel_state.get_global_memory_buffer()
     assert isinstance(buffer, CpuGlobalMemoryBuffer)
     big = buffer.get_tensor((4, 6), torch.float32, "test")
@@ -31,7 +52,7 @@ def test_memory_buffer_is_on_cpu_and_reused():
 
 @cpu_only
 def test_rng_tracker_forks_without_disturbing_the_caller():
-    init_megatron_cpu(seed=7)
+    init_megatron(seed=7)
     tracker = tensor_parallel.get_cuda_rng_tracker()
     assert isinstance(tracker, CpuRNGStatesTracker)
     torch.manual_seed(123)
@@ -44,7 +65,7 @@ def test_rng_tracker_forks_without_disturbing_the_caller():
         second = torch.rand(3)
     assert not torch.equal(first, second)  # the forked stream advances
 
-    init_megatron_cpu(seed=7)  # re-seeding restarts the named streams
+    init_megatron(seed=7)  # re-seeding restarts the named streams
     with tensor_parallel.get_cuda_rng_tracker().fork():
         assert torch.equal(torch.rand(3), first)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from fp8rl.models.generate import SamplingConfig, generate, top_p_filter
+from fp8rl.models.generate import SamplingConfig, generate, sample_tokens, top_p_filter
 from fp8rl.models.gpt import fp8_autocast
 from fp8rl.models.logprobs import (
     causal_padding_mask,
@@ -16,6 +16,11 @@ from fp8rl.models.logprobs import (
 
 EOS, PAD = 2, 0
 PROMPTS = [[1, 5, 6, 14, 7], [1, 9], [1, 8, 8, 16, 4, 5, 17]]
+
+
+def row_seeds(seed: int, rows: int) -> list[int]:
+    """One sampling seed per row (rows of one batch sample independently)."""
+    return [seed * 1000 + row for row in range(rows)]
 
 
 def prompt_batch():
@@ -54,7 +59,7 @@ def test_kv_cached_decoding_gives_the_full_forward_logits(tiny_model):
 
 def test_greedy_generation_is_argmax_of_the_full_forward(tiny_model):
     prompt_ids, prompt_mask = prompt_batch()
-    cfg = SamplingConfig(max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, temperature=0.0)
+    cfg = SamplingConfig(max_new_tokens=6, eos_token_ids=(EOS,), pad_token_id=PAD, temperature=0.0)
     out = generate(tiny_model, prompt_ids, prompt_mask, cfg)
     sequence, mask = prompt_ids, prompt_mask
     with torch.no_grad():
@@ -68,8 +73,8 @@ def test_greedy_generation_is_argmax_of_the_full_forward(tiny_model):
 
 def test_sampled_logprobs_match_the_trainer_recompute(tiny_model):
     prompt_ids, prompt_mask = prompt_batch()
-    cfg = SamplingConfig(max_new_tokens=7, eos_token_id=EOS, pad_token_id=PAD, temperature=0.8)
-    out = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(1))
+    cfg = SamplingConfig(max_new_tokens=7, eos_token_ids=(EOS,), pad_token_id=PAD, temperature=0.8)
+    out = generate(tiny_model, prompt_ids, prompt_mask, cfg, seeds=row_seeds(1, len(prompt_ids)))
     input_ids = torch.cat([prompt_ids, out.tokens], 1)
     attention_mask = torch.cat([prompt_mask, out.response_mask], 1)
     with torch.no_grad():
@@ -87,8 +92,8 @@ def test_a_vocab_limit_keeps_padding_rows_out_of_samples_and_log_probs(tiny_mode
     prompt_ids, prompt_mask = left_pad(PROMPTS * 4, pad_id=PAD)
     outs = {}
     for limit in (None, vocab):
-        cfg = SamplingConfig(max_new_tokens=7, eos_token_id=EOS, pad_token_id=PAD, temperature=0.8, vocab_size=limit)
-        outs[limit] = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(1))
+        cfg = SamplingConfig(7, eos_token_ids=(EOS,), pad_token_id=PAD, temperature=0.8, vocab_size=limit)
+        outs[limit] = generate(tiny_model, prompt_ids, prompt_mask, cfg, seeds=row_seeds(1, len(prompt_ids)))
     assert bool((outs[None].tokens >= vocab).any())  # a random-init model puts most mass on padding rows
     out = outs[vocab]
     assert bool((out.tokens < vocab).all())
@@ -117,8 +122,9 @@ class EosBiasedModel(torch.nn.Module):
 
 def test_rows_stop_at_eos_and_are_padded_after_it(tiny_model):
     prompt_ids, prompt_mask = left_pad(PROMPTS * 4, pad_id=PAD)
-    cfg = SamplingConfig(max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, temperature=1.0)
-    out = generate(EosBiasedModel(tiny_model, 4.0), prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(0))
+    cfg = SamplingConfig(max_new_tokens=8, eos_token_ids=(EOS,), pad_token_id=PAD, temperature=1.0)
+    seeds = row_seeds(0, len(prompt_ids))
+    out = generate(EosBiasedModel(tiny_model, 4.0), prompt_ids, prompt_mask, cfg, seeds=seeds)
     lengths = []
     for row in range(len(prompt_ids)):
         tokens, mask = out.tokens[row].tolist(), out.response_mask[row].tolist()
@@ -132,18 +138,40 @@ def test_rows_stop_at_eos_and_are_padded_after_it(tiny_model):
 
 def test_greedy_eos_ends_every_row_at_once(tiny_model):
     prompt_ids, prompt_mask = prompt_batch()
-    cfg = SamplingConfig(max_new_tokens=5, eos_token_id=EOS, pad_token_id=PAD, temperature=0.0)
+    cfg = SamplingConfig(max_new_tokens=5, eos_token_ids=(EOS,), pad_token_id=PAD, temperature=0.0)
     out = generate(EosBiasedModel(tiny_model, 1e4), prompt_ids, prompt_mask, cfg)
     assert out.tokens.tolist() == [[EOS, PAD, PAD, PAD, PAD]] * 3
     assert out.response_mask.tolist() == [[1, 0, 0, 0, 0]] * 3
 
 
+def test_a_rows_sample_depends_on_its_seed_not_on_the_rest_of_the_batch(tiny_model):
+    """Data parallelism splits a step's rows over ranks: a row must sample the same response alone or in the
+    whole batch (inverse-CDF sampling from the row's own uniforms)."""
+    prompt_ids, prompt_mask = left_pad(PROMPTS * 4, pad_id=PAD)
+    cfg = SamplingConfig(max_new_tokens=6, eos_token_ids=(EOS,), pad_token_id=PAD, temperature=1.0)
+    seeds = row_seeds(5, len(prompt_ids))
+    whole = generate(tiny_model, prompt_ids, prompt_mask, cfg, seeds=seeds)
+    half = len(prompt_ids) // 2
+    second = generate(tiny_model, prompt_ids[half:], prompt_mask[half:], cfg, seeds=seeds[half:])
+    assert torch.equal(whole.tokens[half:], second.tokens)
+    other = generate(tiny_model, prompt_ids, prompt_mask, cfg, seeds=row_seeds(6, len(prompt_ids)))
+    assert not torch.equal(whole.tokens, other.tokens)
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]])).expand(20000, 3)
+    cfg = SamplingConfig(max_new_tokens=1, eos_token_ids=(0,), pad_token_id=0, temperature=1.0)
+    tokens = sample_tokens(logits, cfg, torch.rand(20000, generator=torch.Generator().manual_seed(0)))
+    frequencies = torch.bincount(tokens, minlength=3).float() / 20000
+    torch.testing.assert_close(frequencies, torch.tensor([0.1, 0.6, 0.3]), atol=0.015, rtol=0)
+
+
 def test_sampling_is_reproducible_with_a_seeded_generator_and_restores_train_mode(tiny_model):
     tiny_model.train()
     prompt_ids, prompt_mask = prompt_batch()
-    cfg = SamplingConfig(max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, top_p=0.9)
-    first = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(3))
-    second = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(3))
+    cfg = SamplingConfig(max_new_tokens=6, eos_token_ids=(EOS,), pad_token_id=PAD, top_p=0.9)
+    first = generate(tiny_model, prompt_ids, prompt_mask, cfg, seeds=row_seeds(3, len(prompt_ids)))
+    second = generate(tiny_model, prompt_ids, prompt_mask, cfg, seeds=row_seeds(3, len(prompt_ids)))
     assert torch.equal(first.tokens, second.tokens)
     assert tiny_model.training
 
@@ -157,10 +185,18 @@ def test_top_p_filter_keeps_the_smallest_covering_set():
 
 
 @pytest.mark.parametrize(
-    "bad", [{"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"vocab_size": 0}]
+    "bad",
+    [
+        {"max_new_tokens": 0},
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"vocab_size": 0},
+        {"eos_token_ids": ()},
+    ],
 )
 def test_sampling_config_validation(bad):
-    fields = {"max_new_tokens": 4, "eos_token_id": EOS, "pad_token_id": PAD, **bad}
+    fields = {"max_new_tokens": 4, "eos_token_ids": (EOS,), "pad_token_id": PAD, **bad}
     with pytest.raises(ValueError):
         SamplingConfig(**fields)
 
@@ -168,9 +204,9 @@ def test_sampling_config_validation(bad):
 def test_fp8_rowwise_rollout_logprobs_match_the_fp8_trainer_recompute(tiny_model):
     """Per-token activation scales make the cached and the full forward quantize identically."""
     prompt_ids, prompt_mask = prompt_batch()
-    cfg = SamplingConfig(max_new_tokens=5, eos_token_id=EOS, pad_token_id=PAD)
+    cfg = SamplingConfig(max_new_tokens=5, eos_token_ids=(EOS,), pad_token_id=PAD)
     with fp8_autocast(tiny_model, "rowwise"):
-        out = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(2))
+        out = generate(tiny_model, prompt_ids, prompt_mask, cfg, seeds=row_seeds(2, len(prompt_ids)))
         input_ids = torch.cat([prompt_ids, out.tokens], 1)
         attention_mask = torch.cat([prompt_mask, out.response_mask], 1)
         with torch.no_grad():

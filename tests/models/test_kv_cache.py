@@ -12,6 +12,11 @@ EOS, PAD = 2, 0
 PROMPTS = [[1, 5, 6, 14, 7], [1, 9], [1, 8, 8, 16, 4, 5, 17]]
 
 
+def row_seeds(seed: int, rows: int) -> list[int]:
+    """One sampling seed per row (rows of one batch sample independently)."""
+    return [seed * 1000 + row for row in range(rows)]
+
+
 def e4m3_representable(t: torch.Tensor) -> bool:
     return torch.equal(t.float().to(torch.float8_e4m3fn).float(), t.float())
 
@@ -47,11 +52,12 @@ def test_cached_keys_and_values_are_e4m3_values_inside_the_block_only(tiny_model
 
 def test_generation_with_an_fp8_kv_cache_stays_close_to_the_bf16_cache(tiny_model):
     prompt_ids, prompt_mask = left_pad(PROMPTS, pad_id=PAD)
-    cfg = SamplingConfig(max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, temperature=1.0)
+    cfg = SamplingConfig(max_new_tokens=8, eos_token_ids=(EOS,), pad_token_id=PAD, temperature=1.0)
     outs = {}
     for rounded in (False, True):
         with compute_precision("bf16"), fp8_kv_cache(tiny_model, rounded):
-            outs[rounded] = generate(tiny_model, prompt_ids, prompt_mask, cfg, torch.Generator().manual_seed(3))
+            seeds = row_seeds(3, len(prompt_ids))
+            outs[rounded] = generate(tiny_model, prompt_ids, prompt_mask, cfg, seeds=seeds)
     first = outs[False].response_mask[:, 0].bool()
     diff = (outs[True].logprobs[:, 0] - outs[False].logprobs[:, 0])[first]
     assert torch.equal(outs[True].tokens[:, 0], outs[False].tokens[:, 0])  # same seed, nearly the same logits

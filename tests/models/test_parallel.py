@@ -4,17 +4,19 @@ import dataclasses
 
 import pytest
 
-from fp8rl.config import ConfigError, RunConfig, config_hash, validate
+from fp8rl.config import ConfigError, RunConfig, config_hash, with_overrides
 from fp8rl.launch.launchers import check_fits, resolve_launcher
 from fp8rl.models.config import get_model_config
 from fp8rl.models.parallel import (
     PARALLEL_PRESETS,
+    ParallelLayout,
     ParallelLayoutError,
     check_layout,
     estimate_memory_gb,
     preset_layout,
     valid_tensor_parallel,
 )
+from fp8rl.preflight import PreflightError, run_layout
 
 GPU_PRESETS = ("qwen3_8b", "qwen3_14b", "qwen2_5_32b")
 
@@ -88,36 +90,34 @@ def test_h200_memory_admits_the_8b_run_without_recompute() -> None:
 
 
 def test_unknown_preset_and_setting() -> None:
-    with pytest.raises(ParallelLayoutError, match="no parallel preset for model 'llama'"):
-        preset_layout("llama")
+    assert preset_layout("hf-llama") == ParallelLayout()  # a checkpoint without a preset: the defaults
     with pytest.raises(ParallelLayoutError, match="unknown parallel settings"):
         preset_layout("qwen3_8b", expert_parallel=2)
     assert set(PARALLEL_PRESETS) >= set(GPU_PRESETS)
     assert valid_tensor_parallel(get_model_config("qwen3_14b"), 8) == [1, 2, 4, 8]
 
 
-def paper_cfg(preset: str = "qwen3_8b") -> RunConfig:
-    cfg = RunConfig()
-    cfg.model.preset, cfg.model.device = preset, "cuda"
-    cfg.precision.backend = "te"
-    return cfg
+def paper_cfg(preset: str = "qwen3_8b", **changes) -> RunConfig:
+    return with_overrides(
+        RunConfig(), {"model.preset": preset, "model.device": "cuda", "precision.backend": "te", **changes}
+    )
 
 
-def test_run_config_validation_checks_the_layout_before_launch() -> None:
-    validate(paper_cfg(), cuda_available=True)
-    cfg = paper_cfg()
-    cfg.parallel.tensor_parallel = 3
-    with pytest.raises(ConfigError, match="parallel.tensor_parallel=3 does not divide"):
-        validate(cfg, cuda_available=True)
+def test_preflight_checks_the_layout_for_the_world_size_before_launch() -> None:
+    assert run_layout(paper_cfg(), world_size=8).data_parallel == 4
+    with pytest.raises(PreflightError, match="parallel.tensor_parallel=3 does not divide"):
+        run_layout(paper_cfg(**{"parallel.tensor_parallel": 3}), world_size=9)
+    with pytest.raises(PreflightError, match="cannot hold TP x PP"):
+        run_layout(paper_cfg(), world_size=7)
 
 
 def test_an_unset_parallel_section_leaves_the_config_hash_unchanged() -> None:
     cfg = RunConfig()
     before = config_hash(cfg)
-    cfg.parallel.tensor_parallel = 2
-    assert config_hash(cfg) != before
-    cfg.parallel.tensor_parallel = None
-    assert config_hash(cfg) == before == "397e31ecdddab46d"  # as before the section existed
+    assert config_hash(with_overrides(cfg, {"parallel.tensor_parallel": 2})) != before
+    assert config_hash(with_overrides(cfg, {"parallel.tensor_parallel": None})) == before
+    legacy = with_overrides(cfg, {"clipping.ema": 0.0})  # the default before clipping.ema's was unified
+    assert config_hash(legacy) == "397e31ecdddab46d"  # the default config's hash before the section existed
 
 
 def test_slurm_profile_must_give_the_layout_its_nodes_and_gpus() -> None:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fp8rl.launch import runs
+from fp8rl.launch.sweep import ensure_parent
 from fp8rl.report import tables
 from fp8rl.report.__main__ import main
+from fp8rl.tracking import store as runs
 
 
 def _child(client, exp_id: str, parent: str, arm: str, seed: int, entropy: list[float], acc: float) -> str:
@@ -33,7 +34,7 @@ def store(tmp_path: Path) -> str:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = runs.client(uri)
     exp_id = runs.experiment_id(client, "grpo_granularity-tiny", create=True)
-    parent = runs.ensure_parent(client, exp_id, "grpo_granularity-tiny", {"fp8rl.axes": "sweep.arm,sweep.trainer.seed"})
+    parent = ensure_parent(client, exp_id, "grpo_granularity-tiny", {"fp8rl.axes": "sweep.arm,sweep.trainer.seed"})
     flat, surge = [0.2] * 40, [0.2] * 20 + [0.8] * 20
     for seed in range(3):
         _child(client, exp_id, parent, "bf16", seed, flat, 0.90 + 0.01 * seed)
@@ -61,7 +62,7 @@ def test_table_groups_seeds_reduces_histories_and_sets_the_paper_beside_ours(sto
     assert float(rows["fp8_tensorwise"]["peak entropy:mean"]) == pytest.approx((0.8 + 0.8 + 0.2) / 3)
     assert float(rows["bf16"]["clip/low_neg (mean):mean"]) == pytest.approx(0.02)
     md = (out / "grpo_granularity-tiny.md").read_text()
-    assert "| bf16 | 3 | 0.910 ± 0.010 |" in md and md.rstrip().endswith("gaps to BF16).")
+    assert "| bf16           |      3 | 0.910 ± 0.010 " in md and md.rstrip().endswith("gaps to BF16).")
     assert "57.6" in md and "46.1" in md  # the paper's BF16 and tensorwise scores
     assert "abc123" in md
     per_run = list(csv.DictReader(open(out / "grpo_granularity-tiny.runs.csv")))

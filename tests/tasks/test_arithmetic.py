@@ -1,23 +1,24 @@
 import pytest
 import torch
 
+from fp8rl.config import TaskConfig
 from fp8rl.tasks import (
     GARBLE_REASONS,
-    ArithmeticConfig,
+    HELDOUT,
     ArithmeticTask,
     batch_rewards,
     build_task,
+    check_task_config,
     garble_metrics,
     register_task,
-    task_config,
     task_names,
 )
-from fp8rl.tasks.arithmetic import problem_universe_size
+from fp8rl.tasks.arithmetic import ProblemSpace, problem_universe_size
 
 
 @pytest.fixture(scope="module")
 def task():
-    return build_task(task_config("arithmetic", num_train=2000, num_eval=200))
+    return build_task(TaskConfig(num_train=2000, num_eval=200))
 
 
 def response(task, text, eos=True):
@@ -25,8 +26,9 @@ def response(task, text, eos=True):
 
 
 def test_problem_sets_are_deterministic_disjoint_and_correct(task):
-    again = build_task(task_config("arithmetic", num_train=2000, num_eval=200))
+    again = build_task(TaskConfig(num_train=2000, num_eval=200))
     assert again.train_problems == task.train_problems and again.eval_problems == task.eval_problems
+    assert task.eval_sets == {HELDOUT: task.eval_problems}
     assert len(set(task.train_problems)) == 2000 and len(set(task.eval_problems)) == 200
     assert not set(task.train_problems) & set(task.eval_problems)
     for problem in task.eval_problems:
@@ -35,37 +37,38 @@ def test_problem_sets_are_deterministic_disjoint_and_correct(task):
 
 
 def test_operand_widths():
-    fixed = ArithmeticConfig(num_digits=2, num_train=100, num_eval=10)
-    free = ArithmeticConfig(num_digits=2, num_train=100, num_eval=10, fixed_width=False)
+    cfg = TaskConfig(num_digits=2, num_train=100, num_eval=10)
+    fixed, free = ProblemSpace.of(cfg), ProblemSpace.of(cfg, fixed_width=False)
     assert problem_universe_size(fixed) == 90**2 and problem_universe_size(free) == 100**2
-    operands = [int(x) for p in ArithmeticTask(free).train_problems for x in p.prompt.rstrip("=").split("+")]
+    problems = ArithmeticTask(cfg, fixed_width=False).train_problems
+    operands = [int(x) for p in problems for x in p.prompt.rstrip("=").split("+")]
     assert min(operands) < 10 <= max(operands)
 
 
 def test_other_seed_gives_other_problems(task):
-    other = build_task(task_config("arithmetic", num_train=2000, num_eval=200, seed=1))
+    other = build_task(TaskConfig(num_train=2000, num_eval=200, seed=1))
     assert other.eval_problems != task.eval_problems
 
 
 def test_small_universes_are_enumerated_and_split():
-    cfg = ArithmeticConfig(operations="+-", num_digits=1, num_train=150, num_eval=50)
+    cfg = TaskConfig(operations="+-", num_digits=1, num_train=150, num_eval=50)
     task = ArithmeticTask(cfg)
-    assert problem_universe_size(cfg) == 200
+    assert problem_universe_size(ProblemSpace.of(cfg)) == 200
     assert len(set(task.train_problems) | set(task.eval_problems)) == 200
 
 
 @pytest.mark.parametrize(("op", "check"), [("-", lambda a, b: a - b), ("*", lambda a, b: a * b)])
 def test_subtraction_and_multiplication(op, check):
-    task = ArithmeticTask(ArithmeticConfig(operations=op, num_digits=2, num_train=100, num_eval=20))
+    task = ArithmeticTask(TaskConfig(operations=op, num_digits=2, num_train=100, num_eval=20))
     for problem in task.eval_problems:
         a, b = problem.prompt.rstrip("=").split(op, 1)
         assert int(problem.answer) == check(int(a), int(b))
 
 
 def test_response_limit_covers_the_longest_answer():
-    assert ArithmeticTask(ArithmeticConfig(num_train=10, num_eval=10)).max_response_tokens == 4 + 1 + 2
-    multiplication = ArithmeticConfig(operations="*", num_digits=3, num_train=10, num_eval=10, response_slack=0)
-    assert ArithmeticTask(multiplication).max_response_tokens == 6 + 1
+    assert ArithmeticTask(TaskConfig(num_train=10, num_eval=10)).max_response_tokens == 4 + 1 + 2
+    multiplication = TaskConfig(operations="*", num_digits=3, num_train=10, num_eval=10)
+    assert ArithmeticTask(multiplication, response_slack=0).max_response_tokens == 6 + 1
 
 
 def test_prompt_and_target_ids(task):
@@ -120,6 +123,7 @@ def test_batch_rewards_and_garble_metrics(task):
     problems = task.eval_problems[:3]
     responses = [response(task, problems[0].answer), response(task, "1+"), response(task, "5", eos=False)]
     assert batch_rewards(task, problems, responses).tolist() == [1.0, 0.0, 0.0]
+    assert task.rewards(problems, responses) == [1.0, 0.0, 0.0]
     metrics = garble_metrics([task.garble_reason(r) for r in responses] + [None])
     assert metrics["rollout/garbled_rate"] == 0.5
     assert metrics["rollout/garbled_invalid_token"] == metrics["rollout/garbled_no_eos"] == 0.25
@@ -132,17 +136,27 @@ def test_batch_rewards_and_garble_metrics(task):
 def test_registry_errors():
     assert "arithmetic" in task_names()
     with pytest.raises(KeyError, match="arithmetic"):
-        task_config("sudoku")
+        build_task(TaskConfig(name="sudoku"))
     with pytest.raises(ValueError, match="already registered"):
-        register_task("arithmetic", ArithmeticConfig)(lambda cfg: None)
-    with pytest.raises(TypeError, match="ArithmeticConfig"):
-        build_task(type("Fake", (), {"name": "arithmetic"})())
+        register_task("arithmetic")(lambda cfg, path: None)
 
 
 @pytest.mark.parametrize(
-    "overrides",
-    [{"operations": "/"}, {"operations": ""}, {"num_digits": 0}, {"num_eval": 0}, {"num_digits": 1, "num_train": 100}],
+    ("overrides", "message"),
+    [
+        ({"operations": "/"}, "task.operations"),
+        ({"operations": ""}, "task.operations"),
+        ({"num_digits": 1, "num_train": 100}, "only 100 distinct problems"),
+    ],
 )
-def test_invalid_configs_fail_with_a_message(overrides):
+def test_invalid_configs_fail_with_a_message(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_task_config(TaskConfig(**overrides))
+    with pytest.raises(ValueError, match=message):
+        ArithmeticTask(TaskConfig(**overrides))
+
+
+@pytest.mark.parametrize("overrides", [{"num_digits": 0}, {"num_eval": 0}])
+def test_out_of_range_fields_fail_when_the_config_is_built(overrides):
     with pytest.raises(ValueError):
-        ArithmeticConfig(**overrides)
+        TaskConfig(**overrides)

@@ -17,21 +17,29 @@ pytestmark = [
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_rl_step_with_vllm_fp8_rollout_and_te_fp8_training(small_cfg, recipe) -> None:
-    from fp8rl.trainer.loop import RLTrainer
+    from fp8rl.config import with_overrides
+    from fp8rl.job import build_trainer
 
-    cfg = small_cfg
-    cfg.model.device = "cuda"
-    cfg.precision.mode, cfg.precision.recipe, cfg.precision.backend = "fp8_full", recipe, "te"
-    cfg.rollout.engine = "vllm"
-    cfg.clipping.policy, cfg.clipping.interval = "calibrated", 1  # the BF16 shadow passes run too
-    cfg.clipping.rollout_correction = "tis_token"
-    trainer = RLTrainer(cfg)
+    cfg = with_overrides(
+        small_cfg,
+        {
+            "model.device": "cuda",
+            "precision.mode": "fp8_full",
+            "precision.recipe": recipe,
+            "precision.backend": "te",
+            "rollout.engine": "vllm",
+            "clipping.policy": "calibrated",  # the BF16 shadow passes run too
+            "clipping.interval": 1,
+            "clipping.rollout_correction": "tis_token",
+        },
+    )
+    trainer = build_trainer(cfg)
     try:
         before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
         result = trainer.train_step(1)
         after = trainer.model.state_dict()
     finally:
-        trainer.close()
+        trainer.engine.close()
     m = result.metrics
     assert result.good
     assert all(math.isfinite(v) for v in m.values())

@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from fp8rl.config import RunConfig
+from fp8rl.config import RunConfig, with_overrides
+from fp8rl.job import build_trainer
 from fp8rl.tasks.base import batch_rewards
 from fp8rl.trainer.loop import RLTrainer
 
@@ -25,32 +25,36 @@ MARGIN = 0.05
 
 
 @pytest.fixture(scope="module")
-def learning_cfg(tmp_path_factory: pytest.TempPathFactory) -> RunConfig:
-    cfg = RunConfig()  # default warm start: 400 steps, cached for the module
-    cfg.warmstart.cache_dir = str(tmp_path_factory.mktemp("warmstart_default"))
-    cfg.task.num_eval = 128
-    cfg.trainer.eval_size = 128
-    cfg.algo.prompts_per_step, cfg.algo.group_size, cfg.algo.num_minibatches = 16, 8, 2
-    cfg.algo.lr = 5e-5
-    cfg.tracking.enabled = False
-    cfg.trainer.out_dir = str(Path(tmp_path_factory.mktemp("learning")) / "run")
-    return cfg
+def learning_cfg(tmp_path_factory: pytest.TempPathFactory, megatron: None) -> RunConfig:
+    changes = {  # default warm start: 400 steps, cached for the module
+        "warmstart.cache_dir": str(tmp_path_factory.mktemp("warmstart_default")),
+        "task.num_eval": 128,
+        "eval.size": 128,
+        "algo.prompts_per_step": 16,
+        "algo.group_size": 8,
+        "algo.num_minibatches": 2,
+        "algo.lr": 5e-5,
+        "tracking.enabled": False,
+        "trainer.out_dir": str(Path(tmp_path_factory.mktemp("learning")) / "run"),
+    }
+    return with_overrides(RunConfig(), changes)
 
 
 def sampled_reward(trainer: RLTrainer, samples: int = 4, seed: int = 0) -> float:
     """Mean reward of `samples` temperature-1 responses per held-out problem, with one fixed sampling seed
     before and after training (common random numbers), so the comparison is not the per-step noise of
     the rollout reward (16 different prompts a step)."""
-    problems = [p for p in trainer.task.eval_problems[: trainer.cfg.trainer.eval_size] for _ in range(samples)]
+    problems = [p for p in trainer.task.eval_problems[: trainer.cfg.eval.size] for _ in range(samples)]
     prompts = [trainer.task.prompt_ids(p) for p in problems]
-    batch = trainer.engine.generate(prompts, trainer.sampling, torch.Generator().manual_seed(seed))
+    seeds = [seed * 100_000 + row for row in range(len(prompts))]
+    batch = trainer.engine.generate(prompts, trainer.sampling, seeds)
     return float(batch_rewards(trainer.task, problems, batch.responses()).mean())
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_reward_rises_over_a_short_bf16_run(learning_cfg: RunConfig) -> None:
-    trainer = RLTrainer(learning_cfg)
+    trainer = build_trainer(learning_cfg)
     before = trainer.evaluate()["eval/accuracy"]
     sampled_before = sampled_reward(trainer)
     for step in range(1, 13):

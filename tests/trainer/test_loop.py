@@ -7,11 +7,16 @@ import math
 import pytest
 import torch
 
-from fp8rl.config import ConfigError, RunConfig, validate
+from fp8rl.config import ConfigError, RunConfig, with_overrides
+from fp8rl.job import build_trainer, run_job
 from fp8rl.tracking import NullTracker
 from fp8rl.trainer import checkpoint as ckpt
-from fp8rl.trainer.loop import RLTrainer, TrainingDiverged
-from fp8rl.trainer.run import config_hash, run
+from fp8rl.trainer.fit import TrainingDiverged
+
+
+def run(cfg: RunConfig, tracker: NullTracker, stop_after: int | None = None):
+    return run_job(cfg, tracker=tracker, stop_after=stop_after)
+
 
 REQUIRED_METRICS = (
     "rollout/reward",
@@ -38,8 +43,9 @@ REQUIRED_METRICS = (
     ],
 )
 def test_a_step_runs_in_every_precision_mode_and_recipe(small_cfg: RunConfig, mode: str, recipe: str) -> None:
-    small_cfg.precision.mode, small_cfg.precision.recipe = mode, recipe
-    small_cfg.trainer.steps = 1
+    small_cfg = with_overrides(small_cfg, {"precision.mode": mode, "precision.recipe": recipe, "trainer.steps": 1})
+    if mode == "bf16":
+        small_cfg = with_overrides(small_cfg, {"precision.recipe": "tensorwise"})
     tracker = NullTracker()
     summary = run(small_cfg, tracker=tracker)
     assert summary.steps_done == 1
@@ -58,9 +64,8 @@ def test_a_step_runs_in_every_precision_mode_and_recipe(small_cfg: RunConfig, mo
 def test_a_builtin_fp8_kv_cache_is_the_only_rollout_train_mismatch_of_a_rowwise_run(small_cfg: RunConfig) -> None:
     """Rowwise FP8 in rollout and trainer alike gives identical log-probs (above); the rollout's FP8 KV
     cache (the trainer has none) is then the only source of a mismatch."""
-    small_cfg.precision.mode, small_cfg.precision.recipe = "fp8_full", "rowwise"
-    small_cfg.precision.fp8_kv_cache = True
-    small_cfg.trainer.steps = 1
+    changes = {"precision.mode": "fp8_full", "precision.recipe": "rowwise", "precision.fp8_kv_cache": True}
+    small_cfg = with_overrides(small_cfg, {**changes, "trainer.steps": 1})
     tracker = NullTracker()
     assert run(small_cfg, tracker=tracker).steps_done == 1
     step_metrics = [m for step, m in tracker.history if step == 1][0]
@@ -68,8 +73,8 @@ def test_a_builtin_fp8_kv_cache_is_the_only_rollout_train_mismatch_of_a_rowwise_
 
 
 def test_fp8_logprobs_differ_from_bf16_within_the_recipes_range(small_cfg: RunConfig) -> None:
-    trainer = RLTrainer(small_cfg)
-    _, batch = trainer.rollout(0)
+    trainer = build_trainer(small_cfg)
+    _, batch = trainer.sampler.rollout(0)
     mask = batch.response_mask.bool()
     bf16, _ = trainer.logprobs(batch, None, grad=False)
     from fp8rl.quant import get_recipe
@@ -82,18 +87,29 @@ def test_fp8_logprobs_differ_from_bf16_within_the_recipes_range(small_cfg: RunCo
 
 
 def test_calibrated_clipping_runs_shadow_passes_and_moves_bounds(small_cfg: RunConfig) -> None:
-    small_cfg.precision.mode = "fp8_full"
-    small_cfg.clipping.policy = "calibrated"
-    small_cfg.clipping.interval = 1
-    small_cfg.clipping.ema = 0.0
-    small_cfg.algo.lr = 1e-4
-    small_cfg.trainer.steps = 2
+    small_cfg = with_overrides(
+        small_cfg,
+        {
+            "precision.mode": "fp8_full",
+            "clipping.policy": "calibrated",
+            "clipping.interval": 1,
+            "clipping.ema": 0.0,
+            "algo.lr": 1e-4,
+            "algo.num_minibatches": 4,
+            "algo.prompts_per_step": 8,
+        },
+    )
     tracker = NullTracker()
     run(small_cfg, tracker=tracker)
     steps = {step: m for step, m in tracker.history if step >= 1}
-    assert steps[2]["clip/calib_count"] >= 1
+    # first calibration at step K = 1 (the second step), once per step, on the pooled shadow tokens
+    assert steps[1]["clip/calib_count"] == 0 and steps[2]["clip/calib_count"] == 1
     assert steps[2]["time/shadow"] > 0
-    assert "clip/overclip_neg" in steps[2]
+    # pooled over the three mini-batches after the first update, and measured out of sample
+    assert steps[2]["clip/shadow_tokens"] > 0 and "clip/cc_oos_overclip_neg" in steps[2]
+    assert "clip/overclip_neg" in steps[2] and "clip/shadow_overclip_neg" in steps[2]
+    statuses = {k: v for k, v in steps[2].items() if k in ("clip/calib_ok", "clip/calib_no_neg", "clip/calib_empty")}
+    assert sum(statuses.values()) >= 1, statuses  # the rule that fired, by name
     assert 0 < steps[2]["clip/bound_low"] < 1 < steps[2]["clip/bound_high"]
 
 
@@ -103,13 +119,13 @@ def _history_by_step(tracker: NullTracker) -> dict[int, dict[str, float]]:
 
 
 def test_kill_and_resume_gives_exactly_the_uninterrupted_metrics(small_cfg: RunConfig, tmp_path) -> None:
-    small_cfg.precision.mode = "fp8_full"
-    small_cfg.trainer.steps = 3
-    small_cfg.trainer.out_dir = str(tmp_path / "straight")
+    small_cfg = with_overrides(
+        small_cfg, {"precision.mode": "fp8_full", "trainer.steps": 3, "trainer.out_dir": str(tmp_path / "straight")}
+    )
     straight = NullTracker()
     run(small_cfg, tracker=straight)
 
-    small_cfg.trainer.out_dir = str(tmp_path / "interrupted")
+    small_cfg = with_overrides(small_cfg, {"trainer.out_dir": str(tmp_path / "interrupted")})
     first = NullTracker()
     run(small_cfg, tracker=first, stop_after=1)  # "killed" after one step (checkpoint at step 1)
     assert ckpt.latest_checkpoint(small_cfg.trainer.out_dir).name == "step_000001.pt"
@@ -120,18 +136,16 @@ def test_kill_and_resume_gives_exactly_the_uninterrupted_metrics(small_cfg: RunC
 
 
 def test_resume_refuses_a_checkpoint_of_another_config(small_cfg: RunConfig) -> None:
-    small_cfg.trainer.steps = 1
+    small_cfg = with_overrides(small_cfg, {"trainer.steps": 1})
     run(small_cfg, tracker=NullTracker())
-    small_cfg.algo.lr = 3e-5
-    with pytest.raises(ValueError, match="different config"):
-        run(small_cfg, tracker=NullTracker())
+    with pytest.raises(ConfigError, match="different config"):
+        run(with_overrides(small_cfg, {"algo.lr": 3e-5}), tracker=NullTracker())
 
 
-def test_non_finite_steps_are_skipped_then_stop_the_run_with_the_checkpoint_intact(
+def test_non_finite_steps_are_rolled_back_then_stop_the_run_with_the_checkpoint_intact(
     small_cfg: RunConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    small_cfg.trainer.steps = 6
-    small_cfg.trainer.max_bad_steps = 2
+    small_cfg = with_overrides(small_cfg, {"trainer.steps": 6, "trainer.max_bad_steps": 2})
     run(small_cfg, tracker=NullTracker(), stop_after=1)
     good = ckpt.load_checkpoint(ckpt.latest_checkpoint(small_cfg.trainer.out_dir))
 
@@ -146,7 +160,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run_with_the_checkpoint_inta
     tracker = NullTracker()
     with pytest.raises(TrainingDiverged, match="max_bad_steps=2"):
         run(small_cfg, tracker=tracker)
-    assert [m["train/skipped"] for _, m in tracker.history if "train/skipped" in m] == [1.0, 1.0, 1.0]
+    assert [m["train/skipped"] for _, m in tracker.history if "train/skipped" in m] == [1.0, 1.0]  # stops at 2
     latest = ckpt.load_checkpoint(ckpt.latest_checkpoint(small_cfg.trainer.out_dir))
     assert latest["step"] == good["step"] == 1
     for key, value in good["model"].items():
@@ -154,21 +168,48 @@ def test_non_finite_steps_are_skipped_then_stop_the_run_with_the_checkpoint_inta
             assert torch.equal(latest["model"][key], value)
 
 
-def test_config_hash_ignores_where_a_run_is_stored_but_not_what_it_computes() -> None:
-    a, b = RunConfig(), RunConfig()
-    b.trainer.out_dir = "/elsewhere"
-    b.tracking.experiment = "other"
-    assert config_hash(a) == config_hash(b)
-    b.precision.recipe = "blockwise"
-    assert config_hash(a) != config_hash(b)
+def test_a_step_with_a_non_finite_second_update_leaves_no_trace_of_its_first(small_cfg: RunConfig, monkeypatch) -> None:
+    """Rolled back as a whole: weights, optimizer state, everything as before the step."""
+    from fp8rl.algos.policy_loss import PolicyLoss
+
+    trainer = build_trainer(small_cfg)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    calls = []
+    original = PolicyLoss.__call__
+
+    def second_is_nan(self, *args, **kwargs):
+        loss, metrics = original(self, *args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 2 else loss), metrics
+
+    monkeypatch.setattr(PolicyLoss, "__call__", second_is_nan)
+    result = trainer.train_step(0)
+    assert len(calls) == 2 and not result.good and result.metrics["train/skipped"] == 1.0
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert trainer.parts.optimizer.state_dict()["state"] == {}  # AdamW's moments were never kept
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "low_var_kl"])
+def test_a_kl_penalty_to_the_start_policy_runs(small_cfg: RunConfig, kl_type: str) -> None:
+    small_cfg = with_overrides(small_cfg, {"algo.kl_coef": 0.1, "algo.kl_type": kl_type, "trainer.steps": 1})
+    trainer = build_trainer(small_cfg)
+    reference = trainer.parts.reference
+    assert reference is not None and reference is not trainer.model
+    assert all(not p.requires_grad for p in reference.parameters())
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+    assert all(torch.equal(start[k], v) for k, v in reference.state_dict().items() if torch.is_tensor(v))
+    metrics = trainer.train_step(0).metrics
+    assert math.isfinite(metrics["actor/kl_loss"])
+    assert all(torch.equal(start[k], v) for k, v in reference.state_dict().items() if torch.is_tensor(v))
 
 
 def test_a_dapo_step_whose_groups_are_all_dropped_takes_no_optimizer_step(small_cfg: RunConfig, monkeypatch) -> None:
-    import fp8rl.trainer.loop as loop
+    import fp8rl.trainer.batch as batch
 
-    small_cfg.algo.dynamic_sampling = True
-    trainer = RLTrainer(small_cfg)
-    monkeypatch.setattr(loop, "batch_rewards", lambda task, problems, responses: torch.ones(len(problems)))
+    small_cfg = with_overrides(small_cfg, {"algo.dynamic_sampling": True})
+    trainer = build_trainer(small_cfg)
+    monkeypatch.setattr(batch, "batch_rewards", lambda task, problems, responses: torch.ones(len(problems)))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
     metrics = trainer.train_step(1).metrics
     assert metrics["train/empty_batch"] == 1.0 and metrics["rollout/dropped_groups"] == small_cfg.algo.prompts_per_step
@@ -179,7 +220,7 @@ def test_a_dapo_step_whose_groups_are_all_dropped_takes_no_optimizer_step(small_
 
 def _rewards_uniform_on_first_call(monkeypatch) -> None:
     """Every group uniform in the first rollout round, every group varied in later ones."""
-    import fp8rl.trainer.loop as loop
+    import fp8rl.trainer.batch as loop
 
     calls = []
 
@@ -195,9 +236,8 @@ def _rewards_uniform_on_first_call(monkeypatch) -> None:
 def test_dapo_resampling_refills_the_batch_with_groups_that_have_reward_variation(
     small_cfg: RunConfig, monkeypatch
 ) -> None:
-    small_cfg.algo.dynamic_sampling = True
-    small_cfg.algo.resample_rounds = 2
-    trainer = RLTrainer(small_cfg)
+    small_cfg = with_overrides(small_cfg, {"algo.dynamic_sampling": True, "algo.resample_rounds": 2})
+    trainer = build_trainer(small_cfg)
     _rewards_uniform_on_first_call(monkeypatch)
     metrics = trainer.train_step(1).metrics
     assert metrics["rollout/dropped_groups"] == small_cfg.algo.prompts_per_step  # the first round's
@@ -206,20 +246,13 @@ def test_dapo_resampling_refills_the_batch_with_groups_that_have_reward_variatio
 
 
 def test_dapo_resampling_is_deterministic_and_keeps_the_batch_size(small_cfg: RunConfig) -> None:
-    small_cfg.algo.dynamic_sampling = True
-    small_cfg.algo.resample_rounds = 3
-    trainer = RLTrainer(small_cfg)
-    first = trainer.rollout_and_advantages(5)
-    second = trainer.rollout_and_advantages(5)
+    small_cfg = with_overrides(small_cfg, {"algo.dynamic_sampling": True, "algo.resample_rounds": 3})
+    trainer = build_trainer(small_cfg)
+    first = trainer.sampler.collect(5)
+    second = trainer.sampler.collect(5)
     rows = small_cfg.algo.prompts_per_step * small_cfg.algo.group_size
-    assert first[0].response_ids.shape[0] == rows and first[1].shape == (rows,)
-    for name in first[0].__dataclass_fields__:
-        assert torch.equal(getattr(first[0], name), getattr(second[0], name)), name
-    assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
-    assert first[3]["rollout/kept_groups"] <= small_cfg.algo.prompts_per_step
-
-
-def test_resample_rounds_need_dynamic_sampling(small_cfg: RunConfig) -> None:
-    small_cfg.algo.resample_rounds = 2
-    with pytest.raises(ConfigError, match="dynamic_sampling"):
-        validate(small_cfg)
+    assert first.rollout.response_ids.shape[0] == rows and first.adv.shape == (rows,)
+    for name in first.rollout.FIELDS:
+        assert torch.equal(getattr(first.rollout, name), getattr(second.rollout, name)), name
+    assert torch.equal(first.adv, second.adv) and torch.equal(first.keep, second.keep)
+    assert first.metrics["rollout/kept_groups"] <= small_cfg.algo.prompts_per_step

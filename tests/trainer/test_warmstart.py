@@ -3,14 +3,13 @@ import dataclasses
 import pytest
 import torch
 
+from fp8rl.config import TaskConfig, WarmStartConfig
 from fp8rl.models.config import get_model_config, with_tokenizer_vocab
 from fp8rl.models.logprobs import forward_logits
-from fp8rl.tasks import build_task, task_config
+from fp8rl.tasks import build_task
 from fp8rl.trainer import warmstart as ws
 from fp8rl.trainer.warmstart import (
-    WarmStartConfig,
     answer_loss,
-    load_or_train_warmstart,
     load_warmstarted_model,
     teacher_forcing_batch,
     train_warmstart,
@@ -18,8 +17,13 @@ from fp8rl.trainer.warmstart import (
     warmstart_key,
 )
 
-TASK_CFG = task_config("arithmetic", num_train=200, num_eval=16)
+TASK_CFG = TaskConfig(num_train=200, num_eval=16)
 QUICK = WarmStartConfig(steps=2, batch_size=8, eval_batch_size=16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _megatron(megatron: None) -> None:
+    """The warm start builds models: megatron's process state first."""
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,8 @@ def model_cfg(task):
 def test_key_changes_with_every_input(model_cfg):
     base = warmstart_key(model_cfg, TASK_CFG, QUICK)
     assert warmstart_key(model_cfg, TASK_CFG, WarmStartConfig(steps=2, batch_size=8, eval_batch_size=16)) == base
+    moved = dataclasses.replace(QUICK, cache_dir="/elsewhere", eval_batch_size=64)
+    assert warmstart_key(model_cfg, TASK_CFG, moved) == base  # where it is cached and how fast it is scored
     variants = [
         warmstart_key(dataclasses.replace(model_cfg, num_layers=2), TASK_CFG, QUICK),
         warmstart_key(model_cfg, dataclasses.replace(TASK_CFG, seed=1), QUICK),
@@ -68,8 +74,9 @@ def test_a_few_steps_reduce_the_answer_loss(task, model_cfg):
     assert answer_loss(model, *batch).item() < 0.8 * before
 
 
-def test_trains_once_then_loads_from_the_cache(model_cfg, tmp_path, monkeypatch):
-    first = warmstart(model_cfg, TASK_CFG, QUICK, cache_dir=tmp_path)
+def test_trains_once_then_loads_from_the_cache(task, model_cfg, tmp_path, monkeypatch):
+    quick = dataclasses.replace(QUICK, cache_dir=str(tmp_path))
+    first = warmstart(model_cfg, task, TASK_CFG, quick)
     assert first.weights_path.exists() and 0.0 <= first.metadata["eval/accuracy"] <= 1.0
     assert first.metadata["train_seconds"] >= 0 and first.metadata["model"]["vocab_size"] == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
@@ -80,11 +87,11 @@ def test_trains_once_then_loads_from_the_cache(model_cfg, tmp_path, monkeypatch)
         raise AssertionError("the cached warm start was retrained")
 
     monkeypatch.setattr(ws, "train_warmstart", must_not_train)
-    assert load_or_train_warmstart(get_model_config("tiny"), TASK_CFG, QUICK, cache_dir=tmp_path) == first.weights_path
+    assert warmstart(get_model_config("tiny"), task, TASK_CFG, quick).weights_path == first.weights_path
 
 
 def test_cached_weights_reproduce_the_trained_model(task, model_cfg, tmp_path):
-    path = load_or_train_warmstart(model_cfg, TASK_CFG, QUICK, cache_dir=tmp_path)
+    path = warmstart(model_cfg, task, TASK_CFG, dataclasses.replace(QUICK, cache_dir=str(tmp_path))).weights_path
     trained = train_warmstart(model_cfg, task, QUICK)  # deterministic: same seed, same batches
     loaded = load_warmstarted_model(path, model_cfg, seed=123)
     input_ids, attention_mask, _ = teacher_forcing_batch(task, task.eval_problems[:4])

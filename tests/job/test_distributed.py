@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fp8rl.launch.distributed import (
+from fp8rl.job.distributed import (
     SINGLE_PROCESS,
     DistEnv,
     cuda_device_index,
@@ -122,7 +122,7 @@ def _rank_main(rank: int, port: int, queue) -> None:  # noqa: ANN001 - multiproc
     import torch
     import torch.distributed as dist
 
-    from fp8rl.launch.distributed import shutdown_distributed
+    from fp8rl.job.distributed import shutdown_distributed
 
     environ = slurm_task(
         rank,

@@ -1,4 +1,4 @@
-"""Local services for the integration lane and the launch benchmark: an MLflow tracking server and the
+"""Local services for the tests and the launch benchmark: an MLflow tracking server on 127.0.0.1 and the
 one-node Slurm cluster of ``slurm/local`` (started by its own ``up.sh``)."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ def free_port() -> int:
 class MlflowServer:
     """``mlflow server`` on 127.0.0.1 with a sqlite store in `root`, for as long as the context lasts."""
 
-    def __init__(self, root: Path, workers: int = 1, start_timeout_s: float = 300.0) -> None:
+    def __init__(self, root: Path, workers: int = 1, start_timeout_s: float = 300.0, port: int | None = None) -> None:
         self.root = Path(root)
-        self.port = free_port()
+        self.port = port or free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.workers = workers
         self.start_timeout_s = start_timeout_s

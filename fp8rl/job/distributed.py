@@ -1,4 +1,4 @@
-"""torch.distributed from the launcher's environment: Slurm (one task per GPU) or torchrun.
+"""torch.distributed from the launcher's environment: Slurm (one task per GPU or CPU rank) or torchrun.
 
 A multi-node Slurm job started with ``--ntasks-per-node=<GPUs>`` runs one process per GPU; each reads
 its rank from ``SLURM_PROCID``, the world size from ``SLURM_NTASKS``, its GPU from ``SLURM_LOCALID``
@@ -179,15 +179,16 @@ def cuda_device_index(env: DistEnv, device_count: int) -> int:
     return env.local_rank
 
 
-def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float = 1800.0) -> None:
-    """Initialize the default process group from `env` (no-op for a single process)."""
+def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float = 1800.0) -> bool:
+    """Initialize the default process group from `env` (gloo on CPU, NCCL on GPU); no-op for a single
+    process or when a group exists. Returns whether this call created it (then it should destroy it)."""
     if not env.is_distributed:
-        return
+        return False
     import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return
+        return False
     os.environ.update(env.torch_env())
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -199,6 +200,7 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    return True
 
 
 def shutdown_distributed() -> None:

@@ -1,8 +1,9 @@
-"""MLflow bookkeeping of a sweep: one experiment per sweep, a parent run, children found by config hash.
+"""Reading the MLflow store: experiments, a sweep's parent run, training runs by config hash, histories.
 
-A child is identified by the tag ``fp8rl.config_hash`` that `fp8rl.trainer.run.make_tracker` sets
-(a hash of what the run computes). A sweep's parent run carries ``fp8rl.sweep = <name>`` and
-``fp8rl.role = sweep``; its children are nested under it (``mlflow.parentRunId``).
+The one module through which the launcher (skip finished runs), the reports and the studies read MLflow.
+A training run carries the tag ``fp8rl.config_hash`` (a hash of what it computes, set by the job); a
+sweep's parent run carries ``fp8rl.sweep = <name>`` and ``fp8rl.role = sweep``, its children are nested
+under it (``mlflow.parentRunId``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fp8rl.tracking import resolve_tracking_uri
+from fp8rl.tracking.mlflow_tracker import resolve_tracking_uri
 
 HASH_TAG = "fp8rl.config_hash"
 SWEEP_TAG = "fp8rl.sweep"
@@ -42,6 +43,7 @@ def client(uri: str):
 
 
 def experiment_id(mlflow_client: Any, name: str, create: bool) -> str | None:
+    """The experiment's id (restored if it was deleted); created when `create`, else None if missing."""
     found = mlflow_client.get_experiment_by_name(name)
     if found is not None:
         if found.lifecycle_stage == "deleted":
@@ -77,21 +79,6 @@ def find_parent(mlflow_client: Any, exp_id: str, sweep: str) -> Any | None:
     return runs[0] if runs else None
 
 
-def ensure_parent(mlflow_client: Any, exp_id: str, sweep: str, tags: dict[str, str]) -> str:
-    """The sweep's parent run (reused across launches, set RUNNING), created on the first launch."""
-    parent = find_parent(mlflow_client, exp_id, sweep)
-    all_tags = {**tags, SWEEP_TAG: sweep, ROLE_TAG: PARENT_ROLE}
-    if parent is None:
-        run = mlflow_client.create_run(exp_id, run_name=sweep, tags={**all_tags, "mlflow.runName": sweep})
-        return run.info.run_id
-    run_id = parent.info.run_id
-    for key, value in all_tags.items():
-        mlflow_client.set_tag(run_id, key, value)
-    if parent.info.status != "RUNNING":
-        mlflow_client.update_run(run_id, status="RUNNING")
-    return run_id
-
-
 def child_runs(mlflow_client: Any, exp_id: str, config_hash: str | None = None, parent_id: str | None = None) -> list:
     """Runs of the experiment that carry a config hash (i.e. trainer runs), optionally filtered."""
     clauses = [f"tags.`{HASH_TAG}` != ''"] if config_hash is None else [_tag(HASH_TAG, config_hash)]
@@ -108,17 +95,26 @@ def hashes_by_status(runs: Iterable[Any]) -> dict[str, set[str]]:
     return out
 
 
-def finish_parent(mlflow_client: Any, parent_id: str, status: str) -> None:
-    if status == "RUNNING":
-        mlflow_client.update_run(parent_id, status="RUNNING")
-    else:
-        mlflow_client.set_terminated(parent_id, status=status)
+def metric_histories(mlflow_client: Any, run: Any, keys: Iterable[str]) -> dict[str, list[tuple[int, float]]]:
+    """key -> [(step, value)] in step order, for the keys the run has."""
+    out = {}
+    for key in dict.fromkeys(keys):
+        if key in run.data.metrics:
+            history = mlflow_client.get_metric_history(run.info.run_id, key)
+            out[key] = sorted((m.step, m.value) for m in history)
+    return out
 
 
-def wide_console() -> Any:
-    """A rich console that does not squeeze tables to 80 columns when the output is a file or a pipe."""
-    import sys
+def display_uri(uri: str) -> str:
+    """A store URI for tables and logs: credentials redacted, a sqlite file shown relative to the working
+    directory (or by name), so no machine's absolute paths end up in results."""
+    from fp8rl.tracking.mlflow_tracker import redact
 
-    from rich.console import Console
-
-    return Console(width=None if sys.stdout.isatty() else 200)
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return redact(uri)
+    path = Path(uri[len(prefix) :])
+    try:
+        return prefix + str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return prefix + path.name

@@ -1,0 +1,61 @@
+"""Process-wide settings of a job, applied once at its start (before provenance records them):
+torch threads, glibc's allocator, MLflow's HTTP patience, the loggers (one line per step to stdout and
+``train.log``; megatron's INFO chatter silenced)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from fp8rl.config import TrainerConfig
+from fp8rl.malloc import keep_freed_memory
+
+# MLflow retries a dead server for minutes by default; a run should learn within seconds.
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+QUIET_LOGGERS = ("megatron", "megatron.core", "torch.distributed", "alembic", "urllib3", "mlflow.system_metrics")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def apply_process_settings(cfg: TrainerConfig) -> None:
+    """Threads, allocator and MLflow's HTTP patience (a user's own environment values win)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.keep_freed_memory:
+        keep_freed_memory()
+    for key, value in MLFLOW_HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def setup_logging(out_dir: str | Path, rank: int = 0) -> None:
+    """fp8rl's INFO lines to stdout and ``<out_dir>/train.log`` (rank 0; other ranks warnings only)."""
+    root = logging.getLogger()
+    fp8rl_logger = logging.getLogger("fp8rl")
+    fp8rl_logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if not any(getattr(h, "_fp8rl", False) for h in root.handlers):
+        stream = logging.StreamHandler(sys.stdout)
+        stream.setFormatter(logging.Formatter(LOG_FORMAT))
+        stream._fp8rl = True  # type: ignore[attr-defined]
+        root.addHandler(stream)
+        root.setLevel(logging.WARNING)
+    log_file = Path(out_dir) / "train.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    if rank == 0 and not any(getattr(h, "baseFilename", None) == str(log_file.resolve()) for h in root.handlers):
+        file_handler = logging.FileHandler(log_file)
+        file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(file_handler)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def close_log_file(out_dir: str | Path) -> None:
+    """Detach ``<out_dir>/train.log`` (a process may run several jobs: the demo, tests)."""
+    path = str((Path(out_dir) / "train.log").resolve())
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "baseFilename", None) == path:
+            root.removeHandler(handler)
+            handler.close()

@@ -1,0 +1,287 @@
+"""`run_job(cfg)`: the one place where a training run is set up, on every rank of a job.
+
+In order: torch.distributed from the launcher's environment (torchrun, Slurm) -> preflight (layout for the
+world size, the machine) -> process settings -> logging -> megatron's process state with the run's
+layout -> the run folder (resume or start fresh) -> provenance and the tracker (rank 0; a run already
+finished is not run again) -> the parts (task, policy, optimizer, engines) -> the trainer's loop. However
+it ends, the MLflow run is marked: FINISHED, FAILED (an exception), KILLED (SIGINT/SIGTERM), or SCHEDULED
+(a Slurm preemption or time limit that submitit requeues: the next attempt resumes it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8rl.config import ConfigError, RunConfig, config_hash, default_run_name, flatten, run_dir, to_dict
+from fp8rl.job import signals
+from fp8rl.job.distributed import DistEnv, dist_env_from_environ, init_distributed, shutdown_distributed
+from fp8rl.job.parts import build_parts
+from fp8rl.job.process import apply_process_settings, close_log_file, setup_logging
+from fp8rl.preflight import check_environment, run_layout
+from fp8rl.tracking import MlflowTracker, NullTracker, RunSpec, Tracker, provenance, resolve_tracking_uri, store
+from fp8rl.trainer import checkpoint as ckpt
+from fp8rl.trainer.distributed import DataParallel
+from fp8rl.trainer.fit import RunSummary, fit
+from fp8rl.trainer.loop import RLTrainer
+
+log = logging.getLogger("fp8rl.job")
+
+
+def run_job(
+    cfg: RunConfig,
+    *,
+    tracker: Tracker | None = None,
+    stop_after: int | None = None,
+    hydra_dir: str | Path | None = None,
+    submitted_at: float | None = None,
+) -> RunSummary:
+    """Run (or resume) the job `cfg` describes (module docstring). `tracker` replaces MLflow (tests);
+    `stop_after` ends after that many steps, leaving the run resumable; `hydra_dir` holds Hydra's
+    ``.hydra/*.yaml`` (logged as artifacts)."""
+    env = dist_env_from_environ()
+    started_distributed = init_distributed(env)
+    try:
+        return _run(cfg, env, tracker, stop_after, hydra_dir, submitted_at)
+    finally:
+        if started_distributed:
+            shutdown_distributed()
+
+
+def _run(cfg, env: DistEnv, tracker, stop_after, hydra_dir, submitted_at) -> RunSummary:
+    out_dir = run_dir(cfg)
+    layout = run_layout(cfg, env.world_size)
+    check_environment(cfg)
+    apply_process_settings(cfg.trainer)
+    setup_logging(out_dir, env.rank)
+    from fp8rl.models.runtime import init_megatron
+
+    init_megatron(layout.tensor_parallel, layout.pipeline_parallel, seed=cfg.warmstart.seed)
+    dp = data_parallel()
+    state = run_dir_state(cfg, out_dir, env.rank)
+    name = cfg.tracking.run_name or default_run_name(cfg)
+    if tracker is None:
+        tracker, finished = (NullTracker(), None)
+        if env.rank == 0:
+            tracker, finished = make_tracker(cfg, out_dir, name, state, env, hydra_dir)
+        finished = _broadcast(finished)
+        if finished is not None:
+            log.info("run %s already finished (MLflow run %s): nothing to do", name, finished)
+            close_log_file(out_dir)
+            return RunSummary(finished, cfg.trainer.steps, {}, out_dir=out_dir)
+    status = "FAILED"
+    try:
+        with signals.terminate_as_exception():
+            device = _device(cfg)
+            parts, source = build_parts(cfg, layout, dp, device)
+            log.info("%s: %s; policy from %s; layout %s", name, out_dir, source, layout.describe())
+            trainer = RLTrainer(parts, cfg)
+            if state is not None:
+                trainer.load_state_dict(state)
+                log.info("resumed at step %d", trainer.step)
+            meta = {"config_hash": config_hash(cfg), "config": to_dict(cfg), "run_id": tracker.run_id}
+            try:
+                summary = fit(trainer, tracker, out_dir, name, meta, stop_after, submitted_at)
+            finally:
+                getattr(parts.engine, "close", lambda: None)()
+        status = "FINISHED" if summary.steps_done >= cfg.trainer.steps else "SCHEDULED"
+        summary.run_id = tracker.run_id
+        return summary
+    except (KeyboardInterrupt, SystemExit):
+        status = "SCHEDULED" if signals.requeue_requested() else "KILLED"
+        raise
+    finally:
+        tracker.finish(status)
+        if status != "FINISHED":
+            log.info("run %s ended %s; re-running the same command resumes it from %s", name, status, out_dir)
+        close_log_file(out_dir)
+
+
+def build_trainer(cfg: RunConfig) -> RLTrainer:
+    """The trainer of `cfg` in this process (every rank, under torchrun), without a tracker or a run folder:
+    for studies, benchmarks and tests that drive steps themselves."""
+    import torch.distributed as dist
+
+    from fp8rl.models.runtime import init_megatron
+
+    apply_process_settings(cfg.trainer)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    layout = run_layout(cfg, world_size)
+    check_environment(cfg)
+    init_megatron(layout.tensor_parallel, layout.pipeline_parallel, seed=cfg.warmstart.seed)
+    parts, _ = build_parts(cfg, layout, data_parallel(), _device(cfg))
+    return RLTrainer(parts, cfg)
+
+
+def data_parallel() -> DataParallel:
+    """This rank's data-parallel context from megatron's groups."""
+    from megatron.core import parallel_state
+
+    return DataParallel(
+        rank=parallel_state.get_data_parallel_rank(),
+        size=parallel_state.get_data_parallel_world_size(),
+        group=parallel_state.get_data_parallel_group(),
+    )
+
+
+def _device(cfg: RunConfig) -> torch.device:
+    if cfg.model.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------- run folder
+def prepare_run_dir(cfg: RunConfig, out_dir: str) -> dict[str, Any] | None:
+    """The state to resume from (None: a fresh start). ``trainer.resume=false`` moves an earlier run's
+    folder aside (kept, never deleted); a checkpoint of another config is refused."""
+    folder = Path(out_dir)
+    if not cfg.trainer.resume and folder.exists() and any(folder.iterdir()):
+        aside = folder.with_name(f"{folder.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(str(folder), aside)
+        log.info("trainer.resume=false: moved the earlier run in %s to %s", folder, aside)
+    folder.mkdir(parents=True, exist_ok=True)
+    found = ckpt.latest_good_checkpoint(out_dir)
+    if found is None:
+        return None
+    path, state = found
+    if state.get("config_hash") != config_hash(cfg):
+        raise ConfigError(
+            f"{out_dir} holds a checkpoint of a different config ({path.name}); use another trainer.out_dir, "
+            "or trainer.resume=false to move it aside and start fresh"
+        )
+    return state
+
+
+def run_dir_state(cfg: RunConfig, out_dir: str, rank: int) -> dict[str, Any] | None:
+    """Rank 0 prepares the folder (`prepare_run_dir`); the other ranks then read the same checkpoint."""
+    import torch.distributed as dist
+
+    state = prepare_run_dir(cfg, out_dir) if rank == 0 else None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        if rank != 0:
+            found = ckpt.latest_good_checkpoint(out_dir)
+            state = None if found is None else found[1]
+    return state
+
+
+def _broadcast(value: Any) -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------- tracking
+def make_tracker(
+    cfg: RunConfig, out_dir: str, name: str, state: dict | None, env: DistEnv, hydra_dir: str | Path | None
+) -> tuple[Tracker, str | None]:
+    """(tracker, None), or (NullTracker, run id) when MLflow already has this config finished."""
+    if not cfg.tracking.enabled:
+        return NullTracker(), None
+    uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    digest = config_hash(cfg)
+    finished, unfinished = existing_runs(cfg, uri, digest)
+    if finished and state is None:
+        return NullTracker(), finished
+    resume_run_id = (state or {}).get("run_id") or unfinished
+    spec = RunSpec(
+        tracking_uri=uri,
+        experiment=cfg.tracking.experiment,
+        run_name=name,
+        tags=run_tags(cfg, digest, env, state),
+        params=flatten(to_dict(cfg)),
+        description=describe(cfg, name),
+        parent_run_id=cfg.tracking.parent_run_id,
+        resume_run_id=resume_run_id,
+        artifacts=run_artifacts(cfg, out_dir, hydra_dir),
+        attempt_tags=attempt_tags(env, state),
+    )
+    tracker = MlflowTracker(spec, out_dir, cfg.tracking.connect_timeout_s, cfg.tracking.offline)
+    return tracker, None
+
+
+def existing_runs(cfg: RunConfig, uri: str, digest: str) -> tuple[str | None, str | None]:
+    """(a FINISHED run of this config, else None; the newest unfinished one, else None), under the same
+    parent run. Looked up in MLflow as well as in the checkpoint, so a job killed before its first checkpoint
+    continues its run instead of opening a second one."""
+    if not store.store_exists(uri):
+        return None, None
+    try:
+        client = store.client(uri)
+        exp_id = store.experiment_id(client, cfg.tracking.experiment, create=False)
+        if exp_id is None:
+            return None, None
+        found = store.child_runs(client, exp_id, config_hash=digest, parent_id=cfg.tracking.parent_run_id)
+    except Exception as err:  # noqa: BLE001 - the tracker's own probe reports an unreachable store clearly
+        log.warning("could not look up earlier runs in %s: %s", uri, err)
+        return None, None
+    finished = next((r.info.run_id for r in found if r.info.status == "FINISHED"), None)
+    unfinished = next((r.info.run_id for r in found if r.info.status != "FINISHED"), None)
+    return finished, unfinished
+
+
+def run_tags(cfg: RunConfig, digest: str, env: DistEnv, state: dict | None) -> dict[str, str]:
+    """Identity, the arm's axes, the attempt, and provenance (recorded after the process settings)."""
+    return {
+        store.HASH_TAG: digest,
+        "algo": cfg.algo.name,
+        "precision": cfg.precision.mode,
+        "recipe": cfg.precision.recipe if cfg.precision.mode != "bf16" else "none",
+        "clipping": cfg.clipping.policy,
+        "rollout_correction": cfg.clipping.rollout_correction,
+        "seed": str(cfg.trainer.seed),
+        **cfg.tracking.tags,
+        **provenance(),
+    }
+
+
+def attempt_tags(env: DistEnv, state: dict | None) -> dict[str, str]:
+    """Where this attempt starts (set again on every resume): the checkpoint step, Slurm's restart count."""
+    return {
+        "fp8rl.world_size": str(env.world_size),
+        "fp8rl.resumed_from_step": str((state or {}).get("step", 0)),
+        "fp8rl.slurm_restarts": os.environ.get("SLURM_RESTART_COUNT", "0"),
+    }
+
+
+def describe(cfg: RunConfig, name: str) -> str:
+    """The run's description (MLflow's note): the arm, what differs from BF16, the command."""
+    p, c = cfg.precision, cfg.clipping
+    if p.mode == "bf16":
+        arm = "BF16 rollout and training (the baseline)"
+    elif p.mode == "fp8_rollout":
+        arm = f"FP8 {p.recipe} rollout, BF16 training"
+    else:
+        arm = f"full-pipeline FP8 {p.recipe} (rollout and both trainer forwards)"
+    clip = "Calibrated Clipping" if c.policy == "calibrated" else "standard clip bounds"
+    correction = "" if c.rollout_correction == "none" else f" + {c.rollout_correction}"
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    return (
+        f"**{name}**: {cfg.algo.name.upper()} on {cfg.task.name} with {arm}, {clip}{correction}; "
+        f"{cfg.trainer.steps} steps, seed {cfg.trainer.seed}.\n\nCommand: `{command}`"
+    )
+
+
+def run_artifacts(cfg: RunConfig, out_dir: str, hydra_dir: str | Path | None) -> list[tuple[str, str | None]]:
+    """resolved_config.json, the command line, and Hydra's config files when the run came through Hydra."""
+    folder = Path(out_dir)
+    resolved = folder / "resolved_config.json"
+    resolved.write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    command = folder / "command.txt"
+    command.write_text(" ".join([sys.executable, *sys.argv]) + "\n")
+    artifacts: list[tuple[str, str | None]] = [(str(resolved), None), (str(command), None)]
+    hydra_files = sorted(Path(hydra_dir, ".hydra").glob("*.yaml")) if hydra_dir else []
+    artifacts += [(str(f), "hydra") for f in hydra_files]
+    return artifacts

@@ -1,0 +1,52 @@
+"""The callable a sweep submits: one training run, checkpointable and requeueable through submitit.
+
+`TrainJob` holds a resolved config (a plain dict, so the pickle does not depend on dataclass layout)
+and the time it was submitted. Every task of the job (one per rank) runs it: `fp8rl.job.run_job` forms the
+process group from Slurm's environment. On Slurm's timeout/preemption signal submitit calls `checkpoint()`,
+which resubmits the same job: the state lives in the trainer's own checkpoints under ``trainer.out_dir`` (a
+deterministic folder per sweep and config hash), so the requeued job resumes from the newest one and
+continues the same MLflow run (left SCHEDULED in between).
+
+This module imports no torch at import time: a job unpickles it before doing anything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import submitit
+
+log = logging.getLogger(__name__)
+
+
+class TrainJob(submitit.helpers.Checkpointable):
+    """Run (or resume) one configured training run; returns a small summary dict (rank 0's is the job's)."""
+
+    def __init__(self, cfg: dict[str, Any], submitted_at: float | None = None) -> None:
+        self.cfg = cfg
+        self.submitted_at = submitted_at if submitted_at is not None else time.time()
+
+    def __call__(self) -> dict[str, Any]:
+        from fp8rl.choices import validated
+        from fp8rl.config import config_hash, from_dict
+        from fp8rl.job import run_job
+
+        cfg = validated(from_dict(self.cfg))
+        summary = run_job(cfg, submitted_at=self.submitted_at)
+        return {
+            "run_id": summary.run_id,
+            "config_hash": config_hash(cfg),
+            "steps_done": summary.steps_done,
+            "final_eval": summary.final_eval,
+            "out_dir": summary.out_dir,
+        }
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """Requeue this job unchanged: the trainer's checkpoints in trainer.out_dir carry the state."""
+        from fp8rl.job.signals import mark_requeued
+
+        mark_requeued()
+        log.info("checkpoint requested: requeueing; the run resumes from %s", self.cfg["trainer"]["out_dir"])
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)

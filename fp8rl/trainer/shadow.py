@@ -1,0 +1,204 @@
+"""The BF16 shadow of an FP8 step: what BF16 would clip, measured on the same tokens.
+
+On a shadow step (a calibration step, or every ``trainer.shadow_every`` steps) the trainer computes BF16
+log-probs of pi_old once for the whole batch, and of pi_theta for every mini-batch after the first update
+(before it, pi_theta = pi_old). Each such mini-batch's masked tokens (BF16 ratio, FP8 ratio, advantage) go
+into one pool; at the end of the step the pool is gathered over all data-parallel ranks and
+
+- Calibrated Clipping calibrates once on the whole pool (its new bounds apply from the next step);
+- the over-clip rates are measured OUT OF SAMPLE: the pool's sequences are split in two halves (even and
+  odd pooled mini-batches), bounds are calibrated on one half and the rates measured on the other (and the
+  other way round; the two are averaged), for Calibrated Clipping's bounds (``clip/cc_oos_*``) and for the
+  standard bounds the vanilla FP8 run uses (``clip/shadow_*``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fp8rl import algos
+from fp8rl.algos.calibration import CalibStatus
+from fp8rl.rollout.base import RolloutBatch
+
+if TYPE_CHECKING:
+    from fp8rl.trainer.loop import RLTrainer
+
+HISTOGRAM_EDGES = (0.5, 1.5, 100)  # ratio range and bins of the logged histograms
+
+
+@dataclass
+class _Pool:
+    ratio_ref: list[torch.Tensor] = field(default_factory=list)  # (tokens,) per pooled mini-batch
+    ratio_fp8: list[torch.Tensor] = field(default_factory=list)
+    adv: list[torch.Tensor] = field(default_factory=list)
+
+
+class ShadowComparison:
+    """Collects the BF16-vs-FP8 ratios of one step (module docstring)."""
+
+    def __init__(self, trainer: RLTrainer) -> None:
+        self.trainer = trainer
+        self.seconds = 0.0
+        self._old_ref: torch.Tensor | None = None
+        self._pool = _Pool()
+
+    def record_old(self, batch: RolloutBatch) -> None:
+        """BF16 log-probs of pi_old for every row of the step."""
+        started = time.perf_counter()
+        self._old_ref, _ = self.trainer.logprobs(batch, None, grad=False)
+        self.seconds += time.perf_counter() - started
+
+    def compare(
+        self,
+        mb: RolloutBatch,
+        rows: torch.Tensor,
+        logp_fp8: torch.Tensor,
+        old_logp_fp8: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """BF16 ratio (rows, response_len) of a post-update mini-batch; pools its masked tokens."""
+        started = time.perf_counter()
+        ref_logp, _ = self.trainer.logprobs(mb, None, grad=False)
+        self.seconds += time.perf_counter() - started
+        ratio_ref = torch.exp(ref_logp - self._old_ref[rows])
+        ratio_fp8 = torch.exp(logp_fp8 - old_logp_fp8)
+        selected = mask.bool()
+        self._pool.ratio_ref.append(ratio_ref[selected].float().cpu())
+        self._pool.ratio_fp8.append(ratio_fp8[selected].float().cpu())
+        self._pool.adv.append(algos.broadcast_to_tokens(adv, mask)[selected].float().cpu())
+        return ratio_ref
+
+    @property
+    def has_tokens(self) -> bool:
+        return bool(self._pool.adv) and sum(t.numel() for t in self._pool.adv) > 0
+
+    def pooled(self, parts: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ratio_ref, ratio_fp8, adv) of the pooled tokens (of the chosen mini-batches), over all ranks."""
+        dp = self.trainer.dp
+
+        def cat(items: list[torch.Tensor]) -> torch.Tensor:
+            local = torch.cat(items[parts]) if items[parts] else torch.zeros(0)
+            return dp.gather_1d(local)
+
+        return cat(self._pool.ratio_ref), cat(self._pool.ratio_fp8), cat(self._pool.adv)
+
+    def finish(self, step: int, clip_policy: algos.ClipBoundPolicy, calibrate: bool) -> dict[str, float]:
+        """Calibrate on the pool (when due), and the pool's out-of-sample over-clip metrics."""
+        a = self.trainer.cfg.algo
+        ratio_ref, ratio_fp8, adv = self.pooled()
+        metrics = {"clip/shadow_tokens": float(adv.numel()), "clip/shadow_neg_tokens": float((adv < 0).sum())}
+        if adv.numel() == 0:
+            return metrics
+        metrics.update(_standard_shadow_metrics(ratio_ref, ratio_fp8, adv, a.eps_low, a.eps_high))
+        metrics.update(self._out_of_sample(a.eps_low, a.eps_high, calibrate_high=not _lower_only(clip_policy)))
+        if calibrate and clip_policy.needs_calibration(step):
+            ones = torch.ones(1, adv.numel(), dtype=torch.bool)
+            clip_policy.update(ratio_ref[None], ratio_fp8[None], adv[None], ones, step)
+            metrics.update(status_counts(clip_policy))
+        return metrics
+
+    def _out_of_sample(self, eps_low: float, eps_high: float, calibrate_high: bool) -> dict[str, float]:
+        """Calibrate on even pooled mini-batches and measure on odd ones, and the reverse; mean of the two."""
+        halves = [self.pooled(slice(0, None, 2)), self.pooled(slice(1, None, 2))]
+        if any(half[2].numel() == 0 for half in halves):
+            return {}
+        results: list[dict[str, float]] = []
+        for fit, held_out in ((halves[0], halves[1]), (halves[1], halves[0])):
+            fit_mask = torch.ones(1, fit[2].numel(), dtype=torch.bool)
+            bounds = algos.calibrate(
+                *(t[None] for t in fit), fit_mask, eps_low, eps_high, calibrate_high=calibrate_high
+            )
+            ref, fp8, adv = held_out
+            mask = torch.ones(1, adv.numel(), dtype=torch.bool)
+            low, high = bounds.bounds
+            std_low, std_high = algos.standard_bounds(eps_low, eps_high)
+            measured = algos.overclip_metrics(ref[None], fp8[None], adv[None], mask, low, high, std_low, std_high)
+            clipped = algos.clip_fraction_metrics(fp8[None], adv[None], mask, low, high)
+            results.append(
+                {
+                    "clip/cc_oos_overclip_neg": float(measured["clip/overclip_neg"]),
+                    "clip/cc_oos_underclip_neg": float(measured["clip/underclip_neg"]),
+                    "clip/cc_oos_low_neg": float(clipped["clip/low_neg"]),
+                    "clip/cc_oos_ref_low_neg": float(measured["clip/ref_low_neg"]),
+                }
+            )
+        return {k: (results[0][k] + results[1][k]) / 2 for k in results[0]}
+
+
+def _lower_only(clip_policy: Any) -> bool:
+    return bool(getattr(clip_policy, "lower_bound_only", False))
+
+
+def _standard_shadow_metrics(
+    ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
+) -> dict[str, float]:
+    """Over- and under-clipping of FP8 at the standard bounds against BF16 at the same bounds (the vanilla
+    FP8 run's clipping error), on the whole pool."""
+    low, high = algos.standard_bounds(eps_low, eps_high)
+    mask = torch.ones(1, adv.numel(), dtype=torch.bool)
+    measured = algos.overclip_metrics(ratio_ref[None], ratio_fp8[None], adv[None], mask, low, high, low, high)
+    fp8_clipped = algos.clip_fraction_metrics(ratio_fp8[None], adv[None], mask, low, high)
+    return {
+        "clip/shadow_overclip_neg": float(measured["clip/overclip_neg"]),
+        "clip/shadow_underclip_neg": float(measured["clip/underclip_neg"]),
+        "clip/shadow_ref_low_neg": float(measured["clip/ref_low_neg"]),
+        "clip/shadow_fp8_low_neg": float(fp8_clipped["clip/low_neg"]),
+    }
+
+
+def status_counts(clip_policy: Any) -> dict[str, float]:
+    """The last calibration's status as named 0/1 metrics (``clip/calib_ok``, ``clip/calib_alpha_zero``, ...)."""
+    raw = algos.metrics_to_floats(clip_policy.metrics()).get("clip/calib_status")
+    if raw is None:
+        return {}
+    status = CalibStatus(int(raw))
+    out = {"clip/calib_ok": float(status == CalibStatus.OK)}
+    for flag in CalibStatus:
+        if flag is not CalibStatus.OK:
+            out[f"clip/calib_{flag.name.lower()}"] = float(bool(status & flag))
+    return out
+
+
+def ratio_histogram(step: int, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor) -> dict[str, Any]:
+    """Histograms of the pooled BF16-shadow and FP8 ratios, split by advantage sign (for a figure)."""
+    low, high, bins = HISTOGRAM_EDGES
+    hist: dict[str, Any] = {"step": step, "edges": torch.linspace(low, high, bins + 1).tolist()}
+    for sign, selected in (("neg", adv < 0), ("pos", adv > 0)):
+        for name, ratio in (("bf16", ratio_ref), ("fp8", ratio_fp8)):
+            values = ratio[selected].float().clamp(low, high)
+            hist[f"{name}_{sign}"] = torch.histc(values, bins=bins, min=low, max=high).tolist()
+    return hist
+
+
+def ratio_histogram_figure(hist: dict[str, Any]) -> Any:
+    """A figure of `ratio_histogram`'s output: BF16 shadow (dashed) vs FP8 (solid), by advantage sign."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    edges = hist["edges"]
+    centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for sign, color, label in (("neg", "tab:red", "A < 0"), ("pos", "tab:blue", "A > 0")):
+        ax.step(centers, hist[f"fp8_{sign}"], where="mid", color=color, label=f"FP8, {label}")
+        ax.step(centers, hist[f"bf16_{sign}"], where="mid", color=color, linestyle="--", alpha=0.7,
+                label=f"BF16 shadow, {label}")  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_xlabel("importance ratio pi_theta / pi_old")
+    ax.set_ylabel("tokens")
+    ax.set_title(f"step {hist['step']}: ratios after an update (pooled shadow tokens)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def close_figure(figure: Any) -> None:
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)

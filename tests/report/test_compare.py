@@ -1,0 +1,101 @@
+"""``fp8rl compare``: per-run reductions, grouping by sweep axes, mean/std over seeds, .md/.csv output.
+
+Runs are written straight into a sqlite MLflow store (no training), shaped like a sweep's children.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.entities import Metric
+
+from fp8rl.launch.sweep import ensure_parent
+from fp8rl.report.compare import compare, parse_metrics
+from fp8rl.report.frames import Column, grouped, reduce_values, runs_frame
+from fp8rl.tracking import store as mlflow_runs
+
+pytestmark = pytest.mark.timeout(300)
+# arm -> seed -> eval/accuracy at steps 0, 1, 2 (entropy is accuracy + 1)
+ACCURACY = {"fp8": {0: [0.1, 0.2, 0.3], 1: [0.1, 0.2, 0.5]}, "cc": {0: [0.1, 0.6, 0.7], 1: [0.1, 0.6, 0.9]}}
+
+
+def _fake_sweep(uri: str) -> None:
+    client = mlflow_runs.client(uri)
+    exp = mlflow_runs.experiment_id(client, "cmp", create=True)
+    parent = ensure_parent(client, exp, "cmp", {"fp8rl.axes": "sweep.arm,sweep.trainer.seed"})
+    now = int(time.time() * 1000)
+    for arm, seeds in ACCURACY.items():
+        for seed, values in seeds.items():
+            tags = {
+                mlflow_runs.HASH_TAG: f"{arm}{seed}",
+                "mlflow.parentRunId": parent,
+                "sweep.arm": arm,
+                "sweep.trainer.seed": str(seed),
+                "recipe": "blockwise",
+            }
+            run_id = client.create_run(exp, tags=tags, run_name=f"{arm}-s{seed}").info.run_id
+            metrics = [Metric("eval/accuracy", v, now, step) for step, v in enumerate(values)]
+            metrics += [Metric("rollout/entropy", v + 1, now, step) for step, v in enumerate(values)]
+            client.log_batch(run_id, metrics=metrics, params=[])
+            client.log_param(run_id, "clipping.interval", "20")
+            client.set_terminated(run_id, "FINISHED")
+    unfinished = client.create_run(exp, tags={mlflow_runs.HASH_TAG: "x", "sweep.arm": "fp8"}).info.run_id
+    client.log_metric(unfinished, "eval/accuracy", 99.0, step=0)
+
+
+def test_parse_and_reduce() -> None:
+    specs = parse_metrics("eval/accuracy,rollout/entropy:max, clip/low_neg:mean")
+    assert [(s.key, s.reduce) for s in specs] == [
+        ("eval/accuracy", "last"),
+        ("rollout/entropy", "max"),
+        ("clip/low_neg", "mean"),
+    ]
+    assert parse_metrics(None)[0].key == "eval/accuracy"
+    values = [1, 3, 2]
+    assert (reduce_values(values, "last"), reduce_values(values, "max"), reduce_values(values, "mean")) == (2, 3, 2)
+    assert math.isnan(reduce_values([], "min"))
+
+
+def test_compare_groups_by_the_sweep_axes_and_writes_md_and_csv(tmp_path: Path, sqlite_uri: str) -> None:
+    _fake_sweep(sqlite_uri)
+    metrics = "eval/accuracy,rollout/entropy:max,eval/accuracy:mean,missing/metric"
+    table, paths = compare("cmp", metrics, None, tmp_path / "out", sqlite_uri)
+    by_arm = table.set_index("sweep.arm")
+    assert sorted(by_arm.index) == ["cc", "fp8"], "seeds are not a grouping axis; the unfinished run is left out"
+    last, peak, mean, missing = (c.label for c in parse_metrics(metrics))
+    assert by_arm.loc["fp8", "runs"] == 2 and by_arm.loc["cc", "runs"] == 2
+    assert by_arm.loc["fp8", f"{last}:mean"] == pytest.approx(0.4)
+    assert by_arm.loc["fp8", f"{last}:std"] == pytest.approx(math.sqrt(0.02))
+    assert by_arm.loc["cc", f"{peak}:mean"] == pytest.approx(1.8)
+    assert by_arm.loc["cc", f"{mean}:mean"] == pytest.approx((0.1 + 0.6 + 0.7 + 0.1 + 0.6 + 0.9) / 6)
+    assert math.isnan(by_arm.loc["cc", f"{missing}:mean"])
+    md, grouped_csv, per_run = paths
+    text = md.read_text()
+    assert "| sweep.arm   |   runs | eval/accuracy (last)" in text and "| cc          |      2 | 0.8 ± 0.1414" in text
+    rows = list(csv.DictReader(grouped_csv.open()))
+    assert {r["sweep.arm"]: float(r[f"{last}:mean"]) for r in rows} == pytest.approx({"fp8": 0.4, "cc": 0.8})
+    assert len(list(csv.DictReader(per_run.open()))) == 4
+    assert "mlflow.db" in text and str(tmp_path) not in text  # the store, without this machine's path
+
+
+def test_group_by_tags_and_params(sqlite_uri: str) -> None:
+    _fake_sweep(sqlite_uri)
+    table, _ = compare("cmp", "eval/accuracy", ["recipe", "clipping.interval", "seed"], None, sqlite_uri)
+    groups = [(tuple(row[:3]), row[3]) for row in table[["recipe", "clipping.interval", "seed", "runs"]].values]
+    assert groups == [(("blockwise", "20", "0"), 2), (("blockwise", "20", "1"), 2)]
+    table, _ = compare("cmp", "eval/accuracy", ["arm"], None, sqlite_uri, include_unfinished=True)
+    assert dict(zip(table["arm"], table["runs"], strict=True)) == {"fp8": 3, "cc": 2}
+
+
+def test_a_single_run_has_zero_std_and_a_missing_metric_is_nan() -> None:
+    from fp8rl.report.frames import RunData
+
+    column, absent = Column("a", "a"), Column("b", "b")
+    run = RunData("r", "n", ("g",), {}, {}, {"a": [(0, 1.0), (1, 2.0)]})
+    table = grouped(runs_frame([run], [column, absent], ["arm"]), ["arm"], [column, absent])
+    assert (table.loc[0, "a:mean"], table.loc[0, "a:std"]) == (2.0, 0.0)
+    assert math.isnan(table.loc[0, "b:mean"]) and math.isnan(table.loc[0, "b:std"])

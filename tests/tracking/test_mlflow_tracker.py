@@ -1,0 +1,98 @@
+"""The one tracking layer: standard MLflow runs, a write-ahead log that survives a kill, a dead store refused
+in seconds or trained through offline, NaN kept, credentials redacted."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from fp8rl.tracking import MlflowTracker, RunSpec, TrackingUnavailable, probe_store, redact
+from fp8rl.tracking.mlflow_tracker import WAL_NAME, metric_name, read_wal
+
+
+def _spec(uri: str, **changes) -> RunSpec:
+    base = {"tracking_uri": uri, "experiment": "unit", "run_name": "r", "system_metrics": False}
+    return RunSpec(**{**base, **changes})
+
+
+def _steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_a_run_is_a_standard_mlflow_run_with_description_params_and_metrics(tmp_path: Path, sqlite_uri: str) -> None:
+    params = {"tracking.tracking_uri": "https://alice:s3cret@mlflow.example.org", "algo.lr": 1e-5}
+    spec = _spec(sqlite_uri, params=params, description="**r**: the arm", tags={"algo": "grpo"})
+    tracker = MlflowTracker(spec, tmp_path, connect_timeout_s=5, offline_ok=False)
+    tracker.log_metrics({"rollout/reward": 0.5, "actor/loss": float("nan"), "x/inf": math.inf, "eval/a@1": 1.0}, 1)
+    tracker.finish("FINISHED")
+    run = MlflowClient(sqlite_uri).get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mlflow.note.content"] == "**r**: the arm"
+    assert run.data.tags["mlflow.user"] and run.data.tags["mlflow.source.type"]  # MLflow's standard tags
+    assert run.data.params["tracking.tracking_uri"] == "https://***@mlflow.example.org"  # no credentials stored
+    assert math.isnan(run.data.metrics["actor/loss"]) and run.data.metrics["x/inf"] > 1e300  # logged as such
+    assert run.data.metrics["eval/a_1"] == 1.0  # a character MLflow refuses in names is replaced
+    experiment = MlflowClient(sqlite_uri).get_experiment_by_name("unit")
+    assert experiment.tags["mlflow.experimentKind"] == "finetuning"
+    assert not (tmp_path / WAL_NAME).exists(), "every record confirmed: the write-ahead log is gone"
+
+
+def test_a_killed_job_replays_its_log_and_every_step_lands_once(tmp_path: Path, sqlite_uri: str) -> None:
+    first = MlflowTracker(_spec(sqlite_uri), tmp_path, connect_timeout_s=5, offline_ok=False)
+    for step in (1, 2):
+        first.log_metrics({"m": float(step)}, step)
+    first._drain(30)
+    # "killed": step 3 reached the log but never MLflow, and the run was never finished
+    with open(tmp_path / WAL_NAME, "a") as fh:
+        fh.write(json.dumps({"kind": "metrics", "step": 3, "timestamp": 0, "metrics": {"m": 3.0}}) + "\n")
+        fh.write('{"kind": "metrics", "step": 4, "tim')  # torn by the kill mid-write
+    resumed = MlflowTracker(_spec(sqlite_uri), tmp_path, connect_timeout_s=5, offline_ok=False)
+    assert resumed.run_id == first.run_id  # the log names the run to continue
+    resumed.log_metrics({"m": 4.0}, 4)
+    resumed.finish()
+    assert _steps(MlflowClient(sqlite_uri), first.run_id, "m") == [1, 2, 3, 4]
+
+
+def test_a_dead_store_is_refused_within_seconds_with_advice() -> None:
+    from tests.support.services import free_port
+
+    started = time.monotonic()
+    with pytest.raises(TrackingUnavailable, match="tracking.offline=true"):
+        probe_store(f"http://127.0.0.1:{free_port()}", timeout_s=3)
+    assert time.monotonic() - started < 10
+    with pytest.raises(TrackingUnavailable, match="does not exist"):
+        probe_store("sqlite:////no/such/folder/mlflow.db", timeout_s=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_offline_training_uploads_everything_when_a_late_server_starts(tmp_path: Path, monkeypatch) -> None:
+    from fp8rl.tracking import mlflow_tracker
+    from tests.support.services import MlflowServer, free_port
+
+    monkeypatch.setattr(mlflow_tracker, "RETRY_EVERY_S", 0.0)
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    tracker = MlflowTracker(_spec(uri, params={"algo.lr": 1e-5}), tmp_path / "run", 3, offline_ok=True)
+    assert tracker.run_id is None and not tracker.online
+    for step in (1, 2):
+        tracker.log_metrics({"m": float(step)}, step)
+    assert [r["kind"] for r in read_wal(tmp_path / "run" / WAL_NAME)] == ["start", "metrics", "metrics"]
+    with MlflowServer(tmp_path / "server", port=port):
+        tracker.log_metrics({"m": 3.0}, 3)  # finds the server, creates the run, uploads the log
+        assert tracker.online
+        tracker.finish()
+        client = MlflowClient(uri)
+        run = client.get_run(tracker.run_id)
+        assert run.info.status == "FINISHED" and run.data.params["algo.lr"] == "1e-05"
+        assert _steps(client, tracker.run_id, "m") == [1, 2, 3]
+
+
+def test_redaction_and_metric_names() -> None:
+    assert redact("postgresql://u:p@db:5432/x and https://token@h") == "postgresql://***@db:5432/x and https://***@h"
+    assert redact("sqlite:///mlflow.db") == "sqlite:///mlflow.db"
+    assert metric_name("eval/aime24/avg@32") == "eval/aime24/avg_32"
