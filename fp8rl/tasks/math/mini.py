@@ -32,6 +32,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from fp8rl.tasks.math.task import VERL_INSTRUCTION
+
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 CHAT_TEMPLATE = (
@@ -158,6 +160,7 @@ def _mean(rng: random.Random) -> MadeUpProblem:
     return MadeUpProblem(problem, answer, _solution(steps, answer), "rational")
 
 
+# Integer answers in 0..999 by construction (at most 800, 960, 96 and 961): AIME-style.
 INTEGER_KINDS: tuple[Callable[[random.Random], MadeUpProblem], ...] = (_collect, _boxes, _remainder, _rectangle)
 ALL_KINDS = (*INTEGER_KINDS, _difference, _linear, _fraction_sum, _square_root, _mean)
 
@@ -169,7 +172,7 @@ def made_up_problems(
     problems: list[MadeUpProblem] = []
     while len(problems) < count:
         problem = rng.choice(kinds)(rng)
-        if problem.problem not in taken and (kinds is not INTEGER_KINDS or int(problem.answer) < 1000):
+        if problem.problem not in taken:
             taken.add(problem.problem)
             problems.append(problem)
     return problems
@@ -302,8 +305,6 @@ def write_math500(problems: list[MadeUpProblem], folder: Path, rng: random.Rando
 
 def corpus(problems: list[MadeUpProblem]) -> list[str]:
     """Training text for the tokenizer: prompts in both instruction styles, solutions and answer lines."""
-    from fp8rl.tasks.math.task import VERL_INSTRUCTION
-
     texts = []
     for p in problems:
         texts += [

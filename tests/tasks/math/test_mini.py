@@ -56,12 +56,23 @@ def test_checkpoint_configs(mini_assets, tokenizer):
     assert (mini_assets["model"] / "model.safetensors").exists()
 
 
+def set_up_megatron() -> None:
+    """The package's explicit megatron set-up where it has one (``fp8rl.models.runtime``); without it,
+    building a model sets megatron up by itself."""
+    try:
+        from fp8rl.models.runtime import init_megatron
+    except ModuleNotFoundError:
+        return
+    init_megatron()
+
+
 def test_checkpoint_loads_in_transformers_and_megatron_with_the_same_logits(mini_assets, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from fp8rl.models.hf import load_hf_checkpoint
     from fp8rl.models.logprobs import forward_logits
 
+    set_up_megatron()
     hf_model = AutoModelForCausalLM.from_pretrained(mini_assets["model"], attn_implementation="eager").eval()
     assert type(hf_model).__name__ == "Qwen3ForCausalLM"
     cfg, model = load_hf_checkpoint(mini_assets["model"])
