@@ -1,0 +1,231 @@
+"""Math reasoning with verifier rewards over a real Hugging Face tokenizer: the paper's workload as a Task.
+
+Prompts. DAPO-Math-17K's user message already carries its instruction (answer on a last line ``Answer: ...``)
+and is used as given; every other data set (DeepScaleR and the eval sets) gets verl's instruction appended
+after a space: ``<problem> Let's think step by step and output the final answer within \\boxed{}.``. With
+``chat_template`` the text is one user message rendered by the tokenizer's chat template with the generation
+prompt (Qwen: ``<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``); without it (base models) the
+text is tokenized as is, with the tokenizer's own BOS if it adds one.
+
+Responses. A response is the sampled ids up to ``max_response_tokens``; it ends at its first end-of-sequence id
+(``tokenizer.eos_ids``: every id the tokenizer, ``config.json`` and ``generation_config.json`` name). Reward:
+1.0 iff it ended in time, holds no invalid token, and its final answer (``\\boxed{}`` or ``Answer:``) equals the
+ground truth under math-verify (:mod:`fp8rl.tasks.math.reward`), else 0.0. ``garble_reason``: "invalid_token"
+(an id >= the tokenizer's length, i.e. a padding row of the model's vocabulary, or a special token other than
+EOS), then "no_eos", then "unparseable" (no final answer can be extracted), else None.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp8rl.tasks.base import Problem, register_task
+from fp8rl.tasks.math.reward import extract_final_answer, math_rewards
+from fp8rl.tasks.math.sources import get_source, load_problems
+
+VERL_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+PROMPTS_AS_GIVEN = frozenset({"dapo_math_17k"})  # data sets whose prompt already says how to answer
+DEFAULT_EVAL_SETS = ("aime24", "aime25", "amc23", "math500")
+
+
+@dataclass
+class MathTaskConfig:
+    """Which math data to train and evaluate on, with which tokenizer, and the response budget.
+
+    ``path`` / ``eval_sets`` values: a local file or folder (see :func:`load_problems`), or None for the hub.
+    """
+
+    name: str = "math"  # registry key
+    dataset: str = "dapo_math_17k"  # training data set, a key of DATASETS
+    path: str | None = None  # local file / folder of the training data; None = the hub id
+    split: str | None = None  # None = the data set's default split
+    tokenizer: str = ""  # local Hugging Face folder with the tokenizer (usually the model checkpoint's folder)
+    eval_sets: dict[str, str | None] = field(default_factory=lambda: dict.fromkeys(DEFAULT_EVAL_SETS))
+    chat_template: bool = True  # False: raw prompt text (base models)
+    max_response_tokens: int = 1024  # response length limit, EOS included
+    num_train: int | None = None  # keep this many training problems (after a seeded shuffle); None = all
+    seed: int = 0  # order of the training problems
+    reward_timeout_s: float = 5.0  # wall-clock bound per verified response
+    reward_workers: int | None = None  # verifier processes; None = one per CPU (at most 8)
+
+    def __post_init__(self) -> None:
+        for name in [self.dataset, *self.eval_sets]:
+            get_source(name)  # raises with the valid names
+        if self.max_response_tokens < 1:
+            raise ValueError(f"max_response_tokens={self.max_response_tokens}; use at least 1")
+        if self.num_train is not None and self.num_train < 1:
+            raise ValueError(f"num_train={self.num_train}; use at least 1, or None for every problem")
+        if self.reward_timeout_s <= 0:
+            raise ValueError(f"reward_timeout_s={self.reward_timeout_s}; use a positive number of seconds")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _ids(value: Any) -> list[int]:
+    """A config's ``eos_token_id`` (int, list of ints or None) as a list."""
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _json_field(folder: Path, file_name: str, key: str) -> Any:
+    path = folder / file_name
+    return json.loads(path.read_text()).get(key) if path.exists() else None
+
+
+class HFTokenizer:
+    """A ``transformers`` tokenizer seen through the task protocol.
+
+    ``vocab_size``: every token id the tokenizer knows, added and special tokens included (``len(tokenizer)``;
+    the model's embedding may have more, padding rows). ``eos_ids``: the ids that end a response, in the order
+    tokenizer, config.json, generation_config.json. ``pad_id``: the pad token, else the first EOS id.
+    ``special_ids``: ids of special tokens (EOS included). ``hf``: the wrapped tokenizer.
+    """
+
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int]) -> None:
+        if not eos_ids:
+            raise ValueError(
+                "the tokenizer has no end-of-sequence token; set eos_token in tokenizer_config.json "
+                "or eos_token_id in generation_config.json"
+            )
+        self.hf = tokenizer
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_ids))
+        self.vocab_size: int = len(tokenizer)
+        self.pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        added_special = [i for i, token in tokenizer.added_tokens_decoder.items() if token.special]
+        self.special_ids: frozenset[int] = frozenset([*tokenizer.all_special_ids, *added_special, *self.eos_ids])
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> HFTokenizer:
+        """Load ``AutoTokenizer`` from a local folder; EOS ids from the tokenizer and the folder's configs."""
+        folder = Path(folder).expanduser()
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"tokenizer folder {folder} does not exist; set task.tokenizer=<local Hugging "
+                "Face model folder with tokenizer files>"
+            )
+        from transformers import AutoTokenizer  # heavy import, only when a task is built
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        eos_ids = [
+            *_ids(tokenizer.eos_token_id),
+            *_ids(_json_field(folder, "config.json", "eos_token_id")),
+            *_ids(_json_field(folder, "generation_config.json", "eos_token_id")),
+        ]
+        return cls(tokenizer, eos_ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer defines a chat template."""
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no special tokens added."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens dropped unless ``skip_special_tokens`` is False."""
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# The task
+
+
+def with_instruction(dataset: str, problem: Problem) -> Problem:
+    """The problem as the model sees it: DAPO prompts as given, others with verl's instruction appended."""
+    if dataset in PROMPTS_AS_GIVEN:
+        return problem
+    return Problem(prompt=f"{problem.prompt} {VERL_INSTRUCTION}", answer=problem.answer)
+
+
+def load_task_problems(dataset: str, path: str | None, split: str | None = None) -> list[Problem]:
+    """:func:`load_problems` of a data set with the instruction the task adds."""
+    return [with_instruction(dataset, problem) for problem in load_problems(dataset, path, split)]
+
+
+class MathTask:
+    """Math problems from the registered data sets, a Hugging Face tokenizer, verifier rewards, garble reasons."""
+
+    def __init__(self, cfg: MathTaskConfig, tokenizer: HFTokenizer | None = None) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        if tokenizer is None and not cfg.tokenizer:
+            raise ValueError("the math task needs a tokenizer: set task.tokenizer=<local Hugging Face model folder>")
+        self.tokenizer = tokenizer or HFTokenizer.from_pretrained(cfg.tokenizer)
+        if cfg.chat_template and not self.tokenizer.has_chat_template:
+            raise ValueError(
+                f"the tokenizer from {cfg.tokenizer or 'the given object'} has no chat template; set "
+                "task.chat_template=false to use raw prompts (base models), or use a tokenizer with one"
+            )
+        self.max_response_tokens = cfg.max_response_tokens
+        problems = load_task_problems(cfg.dataset, cfg.path, cfg.split)
+        random.Random(cfg.seed).shuffle(problems)
+        self.train_problems: list[Problem] = problems[: cfg.num_train] if cfg.num_train else problems
+        self.eval_sets: dict[str, list[Problem]] = {
+            name: load_task_problems(name, path) for name, path in cfg.eval_sets.items()
+        }
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """Token ids of the prompt: one user message in the chat template with the generation prompt, or the
+        raw text (with the tokenizer's BOS, if it adds one)."""
+        if not self.cfg.chat_template:
+            return list(self.tokenizer.hf.encode(problem.prompt, add_special_tokens=True))
+        messages = [{"role": "user", "content": problem.prompt}]
+        text = self.tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text)
+
+    def _split_at_eos(self, response_ids: Sequence[int]) -> tuple[list[int], bool]:
+        """Tokens before the first EOS within the length limit, and whether that EOS exists."""
+        window = [int(token) for token in response_ids[: self.max_response_tokens]]
+        eos = set(self.tokenizer.eos_ids)
+        for position, token in enumerate(window):
+            if token in eos:
+                return window[:position], True
+        return window, False
+
+    def _has_invalid_token(self, body: Sequence[int]) -> bool:
+        vocab, special = self.tokenizer.vocab_size, self.tokenizer.special_ids
+        return any(token < 0 or token >= vocab or token in special for token in body)
+
+    def garble_reason(self, response_ids: Sequence[int]) -> str | None:
+        """ "invalid_token", "no_eos", "unparseable" (checked in this order), or None if well formed."""
+        body, has_eos = self._split_at_eos(response_ids)
+        if self._has_invalid_token(body):
+            return "invalid_token"
+        if not has_eos:
+            return "no_eos"
+        if extract_final_answer(self.tokenizer.decode(body)) is None:
+            return "unparseable"
+        return None
+
+    def rewards(self, problems: Sequence[Problem], responses: Sequence[Sequence[int]]) -> list[float]:
+        """1.0 / 0.0 per response (see the module docstring), verified in parallel worker processes."""
+        if len(problems) != len(responses):
+            raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
+        scored: list[int] = []
+        texts: list[str] = []
+        for index, response in enumerate(responses):
+            body, has_eos = self._split_at_eos(response)
+            if has_eos and not self._has_invalid_token(body):
+                scored.append(index)
+                texts.append(self.tokenizer.decode(body))
+        rewards = [0.0] * len(responses)
+        truths = [problems[index].answer for index in scored]
+        scores = math_rewards(texts, truths, timeout_s=self.cfg.reward_timeout_s, workers=self.cfg.reward_workers)
+        for index, score in zip(scored, scores, strict=True):
+            rewards[index] = score
+        return rewards
+
+
+@register_task("math", MathTaskConfig)
+def build_math_task(cfg: MathTaskConfig) -> MathTask:
+    """Registry factory for :class:`MathTask`."""
+    return MathTask(cfg)

@@ -1,0 +1,144 @@
+"""MathTask over the mini assets' Hugging Face tokenizer: problem sets, prompts (chat template and raw), EOS ids,
+garble reasons and rewards; its config's checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from fp8rl.tasks.base import Problem, build_task, task_config
+from fp8rl.tasks.math import MathTask, MathTaskConfig
+from fp8rl.tasks.math.task import VERL_INSTRUCTION
+
+EVAL_SETS = ("aime24", "aime25", "amc23", "math500")
+
+
+def config(assets, **overrides) -> MathTaskConfig:
+    settings = {
+        "tokenizer": str(assets["model"]),
+        "path": str(assets["dapo_math_17k"]),
+        "eval_sets": {name: str(assets[name]) for name in EVAL_SETS},
+        "max_response_tokens": 48,
+        **overrides,
+    }
+    return MathTaskConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def task(mini_assets) -> MathTask:
+    return MathTask(config(mini_assets))
+
+
+def token_id(task: MathTask, token: str) -> int:
+    return task.tokenizer.hf.convert_tokens_to_ids(token)
+
+
+def response(task: MathTask, text: str, end: str | None = "<|im_end|>") -> list[int]:
+    return task.tokenizer.encode(text) + ([token_id(task, end)] if end else [])
+
+
+def test_problem_sets_come_from_the_configured_files(task):
+    assert len(task.train_problems) == 256  # 512 rows on disk: each DAPO problem is there twice
+    assert all(p.prompt.startswith("Solve the following math problem step by step.") for p in task.train_problems)
+    assert {name: len(problems) for name, problems in task.eval_sets.items()} == {
+        "aime24": 30,
+        "aime25": 30,
+        "amc23": 40,
+        "math500": 100,
+    }
+    assert all(p.prompt.endswith(f" {VERL_INSTRUCTION}") for problems in task.eval_sets.values() for p in problems)
+    assert not any(p.prompt.endswith(VERL_INSTRUCTION) for p in task.train_problems)  # DAPO prompts as given
+
+
+def test_train_order_is_seeded_and_num_train_limits(task, mini_assets):
+    limited = MathTask(config(mini_assets, num_train=10, eval_sets={}))
+    assert limited.train_problems == task.train_problems[:10] and limited.eval_sets == {}
+    reseeded = MathTask(config(mini_assets, seed=1, eval_sets={}))
+    assert reseeded.train_problems != task.train_problems
+    assert set(reseeded.train_problems) == set(task.train_problems)
+
+
+def test_deepscaler_prompts_get_the_verl_instruction(mini_assets):
+    deepscaler = MathTask(config(mini_assets, dataset="deepscaler", path=str(mini_assets["deepscaler"]), eval_sets={}))
+    assert all(p.prompt.endswith(f" {VERL_INSTRUCTION}") for p in deepscaler.train_problems)
+
+
+def test_chat_prompt_is_one_user_turn_with_the_generation_prompt(task):
+    problem = task.eval_sets["aime24"][0]
+    text = task.tokenizer.decode(task.prompt_ids(problem), skip_special_tokens=False)
+    assert text == f"<|im_start|>user\n{problem.prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_raw_prompt_is_the_text_alone(mini_assets):
+    raw = MathTask(config(mini_assets, chat_template=False, eval_sets={}))
+    problem = raw.train_problems[0]
+    ids = raw.prompt_ids(problem)
+    assert raw.tokenizer.decode(ids, skip_special_tokens=False) == problem.prompt
+    assert not set(ids) & raw.tokenizer.special_ids
+
+
+def test_tokenizer_without_a_chat_template_is_refused_when_one_is_asked_for(mini_assets, tmp_path):
+    folder = shutil.copytree(mini_assets["model"], tmp_path / "model")
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    del tokenizer_config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(ValueError, match="has no chat template; set task.chat_template=false"):
+        MathTask(config(mini_assets, tokenizer=str(folder)))
+    assert MathTask(config(mini_assets, tokenizer=str(folder), chat_template=False, eval_sets={})).train_problems
+
+
+def test_eos_ids_are_every_id_the_tokenizer_and_configs_name(task):
+    im_end, endoftext = token_id(task, "<|im_end|>"), token_id(task, "<|endoftext|>")
+    assert task.tokenizer.eos_ids == (im_end, endoftext)  # tokenizer's eos_token first, then config.json's
+    assert task.tokenizer.pad_id == endoftext
+    assert task.tokenizer.vocab_size == len(task.tokenizer.hf) == endoftext + 3  # the specials come last
+    assert task.tokenizer.special_ids == {endoftext, token_id(task, "<|im_start|>"), im_end}
+
+
+def test_garble_reasons(task):
+    good = response(task, "We add. Answer: 42")
+    assert task.garble_reason(good) is None
+    assert task.garble_reason(good + [5, 6, 7]) is None  # what follows EOS does not count
+    assert task.garble_reason(response(task, "We add. Answer: 42", end="<|endoftext|>")) is None
+    assert task.garble_reason(response(task, "We add. Answer: 42", end=None)) == "no_eos"
+    assert task.garble_reason(response(task, "1 " * 60 + "Answer: 3")) == "no_eos"  # EOS beyond the limit
+    assert task.garble_reason(response(task, "I am not sure.")) == "unparseable"
+    padding_row = task.tokenizer.vocab_size  # the model's vocabulary is padded beyond the tokenizer's
+    assert task.garble_reason([padding_row, *good]) == "invalid_token"
+    assert task.garble_reason([token_id(task, "<|im_start|>"), *good]) == "invalid_token"
+    assert task.garble_reason([padding_row] * 100) == "invalid_token"  # before no_eos
+
+
+def test_rewards(task):
+    problem = Problem(prompt="What is $6 \\cdot 7$?", answer="42")
+    responses = [
+        response(task, "Six sevens. Answer: 42"),
+        response(task, "Six sevens are $\\boxed{42}$.", end="<|endoftext|>"),
+        response(task, "Six sevens. Answer: 43"),
+        response(task, "Six sevens. Answer: 42", end=None),  # no EOS: 0 even if right
+        [task.tokenizer.vocab_size, *response(task, "Answer: 42")],  # invalid token
+        response(task, "Answer: 42") + response(task, "Answer: 7"),  # after the first EOS nothing counts
+    ]
+    assert task.rewards([problem] * len(responses), responses) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="1 problems but 2 responses"):
+        task.rewards([problem], responses[:2])
+
+
+def test_registry_builds_the_task(mini_assets):
+    cfg = task_config("math", **{k: v for k, v in vars(config(mini_assets, eval_sets={})).items() if k != "name"})
+    assert isinstance(build_task(cfg), MathTask)
+
+
+def test_config_checks_say_what_to_change():
+    with pytest.raises(ValueError, match="unknown math data set 'gsm8k'; valid: .*dapo_math_17k"):
+        MathTaskConfig(dataset="gsm8k")
+    with pytest.raises(ValueError, match="unknown math data set 'aime2024'"):
+        MathTaskConfig(eval_sets={"aime2024": None})
+    with pytest.raises(ValueError, match="max_response_tokens=0"):
+        MathTaskConfig(max_response_tokens=0)
+    with pytest.raises(ValueError, match="set task.tokenizer="):
+        MathTask(MathTaskConfig())
+    with pytest.raises(FileNotFoundError, match="does not exist; set task.tokenizer="):
+        MathTask(MathTaskConfig(tokenizer="/nonexistent/model"))
