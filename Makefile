@@ -27,7 +27,7 @@ RECAL_K ?= $(if $(filter paper,$(SCALE)),10$(comma)20$(comma)40,2$(comma)5$(comm
 REPRO_SWEEP = $(VENV)/bin/fp8rl sweep --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(SWEEP_ARGS)
 REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 
-.PHONY: setup test test-fast lint docs demo bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-check
+.PHONY: setup test test-fast lint docs demo mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-check
 
 setup: $(STAMP)
 
@@ -54,6 +54,14 @@ docs: setup
 
 demo: setup
 	$(PY) -m fp8rl.demo
+
+# scale=mini's assets: a random Qwen3-architecture checkpoint with a BPE tokenizer and math data files in the
+# published schemas (made-up problems), written once to .cache/mini.
+MINI := .cache/mini
+mini-assets: setup $(MINI)/model/config.json
+
+$(MINI)/model/config.json:
+	$(PY) -m fp8rl.tasks.math.mini --out $(MINI)
 
 bench: setup
 	$(PY) benchmarks/quant_throughput.py --out $(BENCH_OUT)/quant_throughput.json

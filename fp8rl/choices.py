@@ -69,9 +69,6 @@ def check_choices(cfg: RunConfig) -> None:
         check_task_config(cfg.task)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    unknown_paths = set(cfg.task.eval_paths) - set(cfg.task.eval_sets)
-    if unknown_paths:
-        raise ConfigError(f"task.eval_paths names {sorted(unknown_paths)}, which are not in task.eval_sets")
 
 
 def validated(cfg: RunConfig) -> RunConfig:

@@ -29,20 +29,34 @@ class PreflightError(ConfigError):
     """This config cannot run on this machine or launch; the message says what to change."""
 
 
-def run_layout(cfg: RunConfig, world_size: int, model_cfg: ModelConfig | None = None) -> ParallelLayout:
+def model_config_of(cfg: RunConfig) -> ModelConfig | None:
+    """The policy's architecture: the preset's, or a local checkpoint's config.json (None for a hub id not yet
+    downloaded: its checks wait for the job)."""
+    if cfg.model.hf_path is None:
+        return get_model_config(cfg.model.preset)
+    if not (Path(cfg.model.hf_path) / "config.json").exists():
+        return None
+    from fp8rl.models.hf import model_config_from_hf_folder
+
+    return model_config_from_hf_folder(cfg.model.hf_path)
+
+
+def run_layout(cfg: RunConfig, world_size: int) -> ParallelLayout:
     """The run's layout for `world_size` ranks, checked (see the module docstring)."""
-    layout = layout_for(cfg, world_size)
+    model_cfg = model_config_of(cfg)
+    layout = layout_for(cfg, world_size, model_cfg)
     tp_pp = layout.tensor_parallel * layout.pipeline_parallel
     if world_size % tp_pp:
         raise PreflightError(
             f"{world_size} rank(s) cannot hold TP x PP = {layout.tensor_parallel} x {layout.pipeline_parallel}: "
             "launch a multiple of TP x PP ranks, or change parallel.tensor_parallel / parallel.pipeline_parallel"
         )
-    model_cfg = model_cfg or get_model_config(cfg.model.preset)
     try:
         # The memory estimate needs the vocabulary, which the tiny preset takes from its tokenizer (and a model
         # of its size fits any GPU).
-        check_layout(layout, model_cfg, memory=cfg.model.device == "cuda" and model_cfg.vocab_size is not None)
+        if model_cfg is not None:
+            memory = cfg.model.device == "cuda" and model_cfg.vocab_size is not None
+            check_layout(layout, model_cfg, memory=memory)
     except ParallelLayoutError as err:
         raise PreflightError(str(err)) from err
     if cfg.algo.prompts_per_step % layout.data_parallel:
@@ -53,13 +67,18 @@ def run_layout(cfg: RunConfig, world_size: int, model_cfg: ModelConfig | None = 
     return layout
 
 
-def layout_for(cfg: RunConfig, world_size: int) -> ParallelLayout:
-    """The preset layout with the config's overrides; on CPU one 'node' of `world_size` ranks."""
+def layout_for(cfg: RunConfig, world_size: int, model_cfg: ModelConfig | None = None) -> ParallelLayout:
+    """The preset layout with the config's overrides; on CPU one 'node' of `world_size` ranks. A checkpoint
+    without a layout preset of its own caps the sequence length at its context."""
     overrides = cfg.parallel.overrides()
     if cfg.model.device == "cpu":
         overrides.setdefault("nodes", 1)
         overrides.setdefault("gpus_per_node", world_size)
-    preset = cfg.model.preset if cfg.model.hf_path is None else "custom"
+    preset = cfg.model.preset
+    if cfg.model.hf_path is not None and cfg.model.device == "cpu":
+        preset = "custom"  # a CPU run of a checkpoint (mini scale): no GPU preset's layout
+        if model_cfg is not None:
+            overrides.setdefault("max_seq_len", min(ParallelLayout().max_seq_len, model_cfg.max_seq_len))
     try:
         layout = preset_layout(preset, **overrides)
     except ParallelLayoutError as err:

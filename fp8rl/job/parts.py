@@ -13,14 +13,16 @@ Needs megatron's process state (`fp8rl.models.runtime.init_megatron`), which the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import safetensors.torch
 import torch
 
 from fp8rl import algos
-from fp8rl.config import AlgoConfig, ClippingConfig, RunConfig
+from fp8rl.config import AlgoConfig, ClippingConfig, RunConfig, TaskConfig
 from fp8rl.models.config import ModelConfig, get_model_config, with_tokenizer_vocab
 from fp8rl.models.gpt import build_gpt_model
 from fp8rl.models.outliers import inject_activation_outliers
@@ -45,13 +47,41 @@ class StartWeights:
     source: str  # where they came from, for the run's description
 
 
-def start_weights(cfg: RunConfig, task: Task) -> StartWeights:
+PROMPT_BUDGET = 2048  # tokens of the layout's sequence length kept for the prompt (math tasks on GPUs)
+
+
+def checkpoint_folder(source: str) -> str:
+    """A local checkpoint folder for ``model.hf_path``: the folder itself, or a hub id downloaded (once, into
+    the Hugging Face cache) with ``huggingface_hub.snapshot_download``."""
+    if Path(source).exists():
+        return source
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id=source, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+    except Exception as err:
+        raise RuntimeError(
+            f"could not download {source} from the Hugging Face hub ({err}); download it where the hub can be "
+            "reached and pass the folder: model.hf_path=<local folder>"
+        ) from err
+
+
+def task_for_layout(cfg: RunConfig, layout: ParallelLayout) -> TaskConfig:
+    """The task section with a response limit: the configured one, else (math on a GPU) the layout's sequence
+    length less the prompt budget."""
+    task = cfg.task
+    if task.name == "math" and task.max_response_tokens is None and cfg.model.device == "cuda":
+        return dataclasses.replace(task, max_response_tokens=layout.max_seq_len - PROMPT_BUDGET)
+    return task
+
+
+def start_weights(cfg: RunConfig, task: Task, hf_folder: str | None) -> StartWeights:
     """The start weights of the policy (module docstring)."""
-    if cfg.model.hf_path is not None:
+    if hf_folder is not None:
         from fp8rl.models.hf import hf_to_megatron, model_config_from_hf_folder, read_hf_tensors
 
-        model_cfg = model_config_from_hf_folder(cfg.model.hf_path)
-        tensors = hf_to_megatron({k: v.float() for k, v in read_hf_tensors(cfg.model.hf_path).items()}, model_cfg)
+        model_cfg = model_config_from_hf_folder(hf_folder)
+        tensors = hf_to_megatron({k: v.float() for k, v in read_hf_tensors(hf_folder).items()}, model_cfg)
         return StartWeights(model_cfg, tensors, f"Hugging Face checkpoint {cfg.model.hf_path}")
     model_cfg = with_tokenizer_vocab(get_model_config(cfg.model.preset), task.tokenizer.vocab_size)
     if cfg.warmstart.steps == 0 or not hasattr(task, "target_ids"):
@@ -118,7 +148,7 @@ def build_engine(cfg: RunConfig, policy: torch.nn.Module, model_cfg: ModelConfig
         fp8_kv_cache=cfg.precision.fp8_kv_cache,
         dtype="bfloat16",
         device=cfg.model.device,
-        tokenizer=task.tokenizer if hasattr(task.tokenizer, "save") else cfg.model.hf_path,
+        tokenizer=task.tokenizer if hasattr(task.tokenizer, "save") else checkpoint_folder(cfg.model.hf_path),
         max_num_seqs=cfg.algo.batch_size,
         seed=cfg.trainer.seed,
     )
@@ -160,8 +190,9 @@ def sampling_config(cfg: RunConfig, task: Task) -> SamplingConfig:
 
 def build_parts(cfg: RunConfig, layout: ParallelLayout, dp: DataParallel, device: torch.device) -> tuple[Parts, str]:
     """Every part of the run, and a one-line description of where the policy starts from."""
-    task = build_task(cfg.task, cfg.model.hf_path)
-    weights = start_weights(cfg, task)
+    hf_folder = None if cfg.model.hf_path is None else checkpoint_folder(cfg.model.hf_path)
+    task = build_task(task_for_layout(cfg, layout), hf_folder)
+    weights = start_weights(cfg, task, hf_folder)
     policy, optimizer = build_policy(cfg, weights, layout, device)
     plan = plan_precision(cfg.precision)
     parts = Parts(

@@ -171,7 +171,7 @@ def check_slurm_layout(cfg: RunConfig, launcher: Launcher) -> None:
     fit the model and the GPUs (`fp8rl.preflight.run_layout`)."""
     from fp8rl.preflight import layout_for, run_layout
 
-    layout = layout_for(cfg, world_size=1)
+    layout = layout_for(cfg, world_size=1)  # the preset's nodes x GPUs (a GPU run)
     nodes = int(launcher.params.get("nodes") or 1)
     gpus = int(launcher.params.get("gpus_per_node") or 0)
     tasks = int(launcher.params.get("tasks_per_node") or 1)

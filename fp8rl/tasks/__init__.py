@@ -1,9 +1,11 @@
 """Verifiable-reward tasks: problems, tokenizers, rewards and garbled-output detection.
 
 Tasks register by name (``build_task(TaskConfig(name="arithmetic"))``); importing this package registers
-the built-in ones: ``arithmetic`` (the tiny CPU task).
+the built-in ones: ``arithmetic`` (the tiny CPU task) and ``math`` (the paper's math data sets with a
+verifier reward, `fp8rl.tasks.math`).
 """
 
+from fp8rl.tasks import math as _math  # noqa: F401 - registers the "math" task
 from fp8rl.tasks.arithmetic import ArithmeticTask
 from fp8rl.tasks.base import (
     GARBLE_REASONS,
@@ -22,8 +24,10 @@ from fp8rl.tasks.tokenizer import CharTokenizer, build_char_tokenizer
 
 
 def dataset_names() -> list[str]:
-    """Names of the math data sets a `TaskConfig` may name (none until the math task is registered)."""
-    return []
+    """Names of the math data sets a `TaskConfig` may name (training sets and benchmarks)."""
+    from fp8rl.tasks.math.sources import DATASETS
+
+    return sorted(DATASETS)
 
 
 __all__ = [

@@ -6,7 +6,7 @@ Importing this package registers the ``"math"`` task; it imports neither ``datas
 
 from fp8rl.tasks.math.reward import extract_final_answer, math_reward, math_rewards, shutdown_verifier_pool
 from fp8rl.tasks.math.sources import DATASETS, DatasetError, DataSource, load_problems
-from fp8rl.tasks.math.task import HFTokenizer, MathTask, MathTaskConfig, build_math_task
+from fp8rl.tasks.math.task import HFTokenizer, MathTask, build_math_task, check_math_config
 
 __all__ = [
     "DATASETS",
@@ -14,8 +14,8 @@ __all__ = [
     "DatasetError",
     "HFTokenizer",
     "MathTask",
-    "MathTaskConfig",
     "build_math_task",
+    "check_math_config",
     "extract_final_answer",
     "load_problems",
     "math_reward",

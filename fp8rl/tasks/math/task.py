@@ -20,10 +20,10 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8rl.config import TaskConfig
 from fp8rl.tasks.base import Problem, register_task
 from fp8rl.tasks.math.reward import extract_final_answer, math_rewards
 from fp8rl.tasks.math.sources import get_source, load_problems
@@ -33,35 +33,18 @@ PROMPTS_AS_GIVEN = frozenset({"dapo_math_17k"})  # data sets whose prompt alread
 DEFAULT_EVAL_SETS = ("aime24", "aime25", "amc23", "math500")
 
 
-@dataclass
-class MathTaskConfig:
-    """Which math data to train and evaluate on, with which tokenizer, and the response budget.
+DEFAULT_MAX_RESPONSE_TOKENS = 1024  # task.max_response_tokens=None (the paper: 8K-16K on GPUs)
+REWARD_TIMEOUT_S = 5.0  # wall-clock bound per verified response
 
-    ``path`` / ``eval_sets`` values: a local file or folder (see :func:`load_problems`), or None for the hub.
-    """
 
-    name: str = "math"  # registry key
-    dataset: str = "dapo_math_17k"  # training data set, a key of DATASETS
-    path: str | None = None  # local file / folder of the training data; None = the hub id
-    split: str | None = None  # None = the data set's default split
-    tokenizer: str = ""  # local Hugging Face folder with the tokenizer (usually the model checkpoint's folder)
-    eval_sets: dict[str, str | None] = field(default_factory=lambda: dict.fromkeys(DEFAULT_EVAL_SETS))
-    chat_template: bool = True  # False: raw prompt text (base models)
-    max_response_tokens: int = 1024  # response length limit, EOS included
-    num_train: int | None = None  # keep this many training problems (after a seeded shuffle); None = all
-    seed: int = 0  # order of the training problems
-    reward_timeout_s: float = 5.0  # wall-clock bound per verified response
-    reward_workers: int | None = None  # verifier processes; None = one per CPU (at most 8)
-
-    def __post_init__(self) -> None:
-        for name in [self.dataset, *self.eval_sets]:
-            get_source(name)  # raises with the valid names
-        if self.max_response_tokens < 1:
-            raise ValueError(f"max_response_tokens={self.max_response_tokens}; use at least 1")
-        if self.num_train is not None and self.num_train < 1:
-            raise ValueError(f"num_train={self.num_train}; use at least 1, or None for every problem")
-        if self.reward_timeout_s <= 0:
-            raise ValueError(f"reward_timeout_s={self.reward_timeout_s}; use a positive number of seconds")
+def check_math_config(cfg: TaskConfig) -> None:
+    """The math task's own config check (registry names are checked by fp8rl.choices)."""
+    if cfg.dataset is None:
+        raise ValueError("task.name=math needs task.dataset (dapo_math_17k or deepscaler)")
+    for name in [cfg.dataset, *cfg.eval_sets]:
+        get_source(name)  # raises with the valid names
+    if cfg.max_response_tokens is not None and cfg.max_response_tokens < 1:
+        raise ValueError(f"task.max_response_tokens={cfg.max_response_tokens}; use at least 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +91,7 @@ class HFTokenizer:
         folder = Path(folder).expanduser()
         if not folder.is_dir():
             raise FileNotFoundError(
-                f"tokenizer folder {folder} does not exist; set task.tokenizer=<local Hugging "
+                f"tokenizer folder {folder} does not exist; set model.hf_path=<local Hugging "
                 "Face model folder with tokenizer files>"
             )
         from transformers import AutoTokenizer  # heavy import, only when a task is built
@@ -152,25 +135,33 @@ def load_task_problems(dataset: str, path: str | None, split: str | None = None)
 
 
 class MathTask:
-    """Math problems from the registered data sets, a Hugging Face tokenizer, verifier rewards, garble reasons."""
+    """Math problems from the registered data sets, a Hugging Face tokenizer, verifier rewards, garble reasons.
 
-    def __init__(self, cfg: MathTaskConfig, tokenizer: HFTokenizer | None = None) -> None:
+    Configured by the run's `TaskConfig`: ``dataset``/``path``/``split`` (training data), ``eval_sets`` with
+    ``eval_paths`` (local files; the hub where none is given), ``chat_template``, ``max_response_tokens``,
+    ``num_train`` (at most this many training problems, after a ``seed``-ed shuffle). The tokenizer comes
+    from `tokenizer_path` (the policy's checkpoint folder).
+    """
+
+    name = "math"
+
+    def __init__(self, cfg: TaskConfig, tokenizer_path: str | None = None, tokenizer: HFTokenizer | None = None):
+        check_math_config(cfg)
         self.cfg = cfg
-        self.name = cfg.name
-        if tokenizer is None and not cfg.tokenizer:
-            raise ValueError("the math task needs a tokenizer: set task.tokenizer=<local Hugging Face model folder>")
-        self.tokenizer = tokenizer or HFTokenizer.from_pretrained(cfg.tokenizer)
+        if tokenizer is None and not tokenizer_path:
+            raise ValueError("the math task uses the model's tokenizer: set model.hf_path=<checkpoint folder>")
+        self.tokenizer = tokenizer or HFTokenizer.from_pretrained(tokenizer_path)
         if cfg.chat_template and not self.tokenizer.has_chat_template:
             raise ValueError(
-                f"the tokenizer from {cfg.tokenizer or 'the given object'} has no chat template; set "
+                f"the tokenizer from {tokenizer_path or 'the given object'} has no chat template; set "
                 "task.chat_template=false to use raw prompts (base models), or use a tokenizer with one"
             )
-        self.max_response_tokens = cfg.max_response_tokens
+        self.max_response_tokens = cfg.max_response_tokens or DEFAULT_MAX_RESPONSE_TOKENS
         problems = load_task_problems(cfg.dataset, cfg.path, cfg.split)
         random.Random(cfg.seed).shuffle(problems)
-        self.train_problems: list[Problem] = problems[: cfg.num_train] if cfg.num_train else problems
+        self.train_problems: list[Problem] = problems[: cfg.num_train]
         self.eval_sets: dict[str, list[Problem]] = {
-            name: load_task_problems(name, path) for name, path in cfg.eval_sets.items()
+            name: load_task_problems(name, cfg.eval_paths.get(name)) for name in cfg.eval_sets
         }
 
     def prompt_ids(self, problem: Problem) -> list[int]:
@@ -219,13 +210,13 @@ class MathTask:
                 texts.append(self.tokenizer.decode(body))
         rewards = [0.0] * len(responses)
         truths = [problems[index].answer for index in scored]
-        scores = math_rewards(texts, truths, timeout_s=self.cfg.reward_timeout_s, workers=self.cfg.reward_workers)
+        scores = math_rewards(texts, truths, timeout_s=REWARD_TIMEOUT_S)
         for index, score in zip(scored, scores, strict=True):
             rewards[index] = score
         return rewards
 
 
-@register_task("math", MathTaskConfig)
-def build_math_task(cfg: MathTaskConfig) -> MathTask:
-    """Registry factory for :class:`MathTask`."""
-    return MathTask(cfg)
+@register_task("math", check=check_math_config)
+def build_math_task(cfg: TaskConfig, model_path: str | None = None) -> MathTask:
+    """Registry factory for :class:`MathTask` (the tokenizer from the model's checkpoint folder)."""
+    return MathTask(cfg, model_path)

@@ -8,27 +8,36 @@ import shutil
 
 import pytest
 
-from fp8rl.tasks.base import Problem, build_task, task_config
-from fp8rl.tasks.math import MathTask, MathTaskConfig
+from fp8rl.config import TaskConfig
+from fp8rl.tasks.base import Problem, build_task, check_task_config
+from fp8rl.tasks.math import MathTask
 from fp8rl.tasks.math.task import VERL_INSTRUCTION
 
 EVAL_SETS = ("aime24", "aime25", "amc23", "math500")
 
 
-def config(assets, **overrides) -> MathTaskConfig:
+def config(assets, **overrides) -> TaskConfig:
+    """The run's task section for the mini assets' data files (the tokenizer comes from model.hf_path)."""
+    eval_sets = overrides.pop("eval_sets", EVAL_SETS)
     settings = {
-        "tokenizer": str(assets["model"]),
+        "name": "math",
+        "dataset": "dapo_math_17k",
         "path": str(assets["dapo_math_17k"]),
-        "eval_sets": {name: str(assets[name]) for name in EVAL_SETS},
+        "eval_sets": tuple(eval_sets),
+        "eval_paths": {name: str(assets[name]) for name in eval_sets},
         "max_response_tokens": 48,
         **overrides,
     }
-    return MathTaskConfig(**settings)
+    return TaskConfig(**settings)
+
+
+def math_task(assets, tokenizer: str | None = None, **overrides) -> MathTask:
+    return MathTask(config(assets, **overrides), tokenizer or str(assets["model"]))
 
 
 @pytest.fixture(scope="module")
 def task(mini_assets) -> MathTask:
-    return MathTask(config(mini_assets))
+    return math_task(mini_assets)
 
 
 def token_id(task: MathTask, token: str) -> int:
@@ -53,15 +62,15 @@ def test_problem_sets_come_from_the_configured_files(task):
 
 
 def test_train_order_is_seeded_and_num_train_limits(task, mini_assets):
-    limited = MathTask(config(mini_assets, num_train=10, eval_sets={}))
+    limited = math_task(mini_assets, num_train=10, eval_sets=())
     assert limited.train_problems == task.train_problems[:10] and limited.eval_sets == {}
-    reseeded = MathTask(config(mini_assets, seed=1, eval_sets={}))
+    reseeded = math_task(mini_assets, seed=1, eval_sets=())
     assert reseeded.train_problems != task.train_problems
     assert set(reseeded.train_problems) == set(task.train_problems)
 
 
 def test_deepscaler_prompts_get_the_verl_instruction(mini_assets):
-    deepscaler = MathTask(config(mini_assets, dataset="deepscaler", path=str(mini_assets["deepscaler"]), eval_sets={}))
+    deepscaler = math_task(mini_assets, dataset="deepscaler", path=str(mini_assets["deepscaler"]), eval_sets=())
     assert all(p.prompt.endswith(f" {VERL_INSTRUCTION}") for p in deepscaler.train_problems)
 
 
@@ -72,7 +81,7 @@ def test_chat_prompt_is_one_user_turn_with_the_generation_prompt(task):
 
 
 def test_raw_prompt_is_the_text_alone(mini_assets):
-    raw = MathTask(config(mini_assets, chat_template=False, eval_sets={}))
+    raw = math_task(mini_assets, chat_template=False, eval_sets=())
     problem = raw.train_problems[0]
     ids = raw.prompt_ids(problem)
     assert raw.tokenizer.decode(ids, skip_special_tokens=False) == problem.prompt
@@ -85,8 +94,8 @@ def test_tokenizer_without_a_chat_template_is_refused_when_one_is_asked_for(mini
     del tokenizer_config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     with pytest.raises(ValueError, match="has no chat template; set task.chat_template=false"):
-        MathTask(config(mini_assets, tokenizer=str(folder)))
-    assert MathTask(config(mini_assets, tokenizer=str(folder), chat_template=False, eval_sets={})).train_problems
+        math_task(mini_assets, tokenizer=str(folder))
+    assert math_task(mini_assets, tokenizer=str(folder), chat_template=False, eval_sets=()).train_problems
 
 
 def test_eos_ids_are_every_id_the_tokenizer_and_configs_name(task):
@@ -127,18 +136,19 @@ def test_rewards(task):
 
 
 def test_registry_builds_the_task(mini_assets):
-    cfg = task_config("math", **{k: v for k, v in vars(config(mini_assets, eval_sets={})).items() if k != "name"})
-    assert isinstance(build_task(cfg), MathTask)
+    assert isinstance(build_task(config(mini_assets, eval_sets=()), str(mini_assets["model"])), MathTask)
 
 
-def test_config_checks_say_what_to_change():
+def test_config_checks_say_what_to_change(mini_assets):
     with pytest.raises(ValueError, match="unknown math data set 'gsm8k'; valid: .*dapo_math_17k"):
-        MathTaskConfig(dataset="gsm8k")
+        check_task_config(TaskConfig(name="math", dataset="gsm8k"))
     with pytest.raises(ValueError, match="unknown math data set 'aime2024'"):
-        MathTaskConfig(eval_sets={"aime2024": None})
+        check_task_config(TaskConfig(name="math", dataset="deepscaler", eval_sets=("aime2024",)))
     with pytest.raises(ValueError, match="max_response_tokens=0"):
-        MathTaskConfig(max_response_tokens=0)
-    with pytest.raises(ValueError, match="set task.tokenizer="):
-        MathTask(MathTaskConfig())
-    with pytest.raises(FileNotFoundError, match="does not exist; set task.tokenizer="):
-        MathTask(MathTaskConfig(tokenizer="/nonexistent/model"))
+        check_task_config(TaskConfig(name="math", dataset="deepscaler", max_response_tokens=0))
+    with pytest.raises(ValueError, match="needs task.dataset"):
+        check_task_config(TaskConfig(name="math"))
+    with pytest.raises(ValueError, match="set model.hf_path="):
+        MathTask(config(mini_assets, eval_sets=()))
+    with pytest.raises(FileNotFoundError, match="does not exist; set model.hf_path="):
+        MathTask(config(mini_assets, eval_sets=()), "/nonexistent/model")
