@@ -1,7 +1,10 @@
 """The measurements of `benchmarks/gpu_check.sh` on one GPU, as ratios taken side by side in one run.
 
-Sections (each runs if its stack is installed, else is reported as skipped with the reason):
+Sections (each runs if its stack imports, else is reported as skipped with the reason; one failing
+section is reported with its error and does not stop the others):
 
+0. ``environment``: `fp8rl.models.te_recipes.gpu_environment_report` (device, compute capability, CUDA,
+   TE / torchao / megatron / vLLM versions) and `check_gpu_environment` per recipe on the TE backend.
 1. ``parity``: the emulator (fp8rl.quant) against the GPU's own FP8 GEMM (``torch._scaled_mm``) on
    identically quantized operands, tensorwise and rowwise: needs only torch.
 2. ``train_step``: a training step (forward, backward, Adam) of a Qwen3-8B-shaped layer stack (a few
@@ -9,23 +12,29 @@ Sections (each runs if its stack is installed, else is reported as skipped with 
    megatron's Transformer Engine spec (`fp8rl.models.te_backend`). Without megatron/TE, a fallback
    times the same GEMM shapes with ``torch._scaled_mm`` (tensorwise only) and says so in the report.
    Targets: tensorwise >= 1.3x, blockwise >= 1.1x BF16 throughput.
-3. ``vllm``: vLLM decode throughput BF16 vs FP8 (online per-tensor ``quantization="fp8"``) on a small
-   Qwen3-shaped model with random weights written as an HF folder. Target: FP8 >= 1.2x.
+3. ``vllm``: vLLM decode throughput BF16 vs FP8 (online per-tensor quantization, ``fp8_per_tensor``:
+   vLLM 0.32's ``quantization="fp8"`` refuses a BF16 checkpoint) on a small Qwen3-shaped model with random
+   weights written as an HF folder; in-process, ``enforce_eager=True``, each engine shut down explicitly
+   before the next starts. Target: FP8 >= 1.2x.
 4. ``mismatch``: one RL step of the tiny task with vLLM FP8 rollout and the FP8 trainer (TE):
    ``rollout/token_mult_prob_error``, ``rollout/k3_kl``, ``rollout/abs_logp_diff``.
 
-Writes ``gpu_check.json`` and ``gpu_check.md`` (with provenance) into ``--out``.
+Writes ``gpu_check.json`` and ``gpu_check.md`` (with provenance) into ``--out`` after every section, so
+that a run stopped by its timeout keeps what finished.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import gc
+import importlib
 import json
+import os
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +47,21 @@ TARGETS = {"train_step tensorwise": 1.3, "train_step blockwise": 1.1, "vllm deco
 
 
 def have(*modules: str) -> str | None:
-    """None when every module imports, else the reason to skip."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    return f"not installed: {', '.join(missing)}" if missing else None
+    """None when every module imports, else the reason to skip (never raises).
+
+    Imports them: ``importlib.util.find_spec("megatron.core")`` itself raises ModuleNotFoundError when the
+    parent package is missing, and a module that is found may still fail to import (a CUDA library).
+    """
+    reasons = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            missing = err.name and module.startswith(err.name)
+            reasons.append(f"not installed: {module}" if missing else f"{module}: {err}")
+        except Exception as err:  # noqa: BLE001 - any import failure is a reason to skip, reported as such
+            reasons.append(f"{module} fails to import: {type(err).__name__}: {err}")
+    return "; ".join(reasons) or None
 
 
 def cuda_time(fn, repeats: int, warmup: int = 2) -> float:
@@ -120,10 +141,15 @@ def train_step_te(layers: int, seq: int, micro: int, repeats: int) -> dict[str, 
 
         return run
 
-    seconds = {
-        name: cuda_time(step(recipe), repeats)
-        for name, recipe in (("bf16", None), ("tensorwise", "tensorwise"), ("blockwise", "blockwise"))
-    }
+    try:
+        seconds = {
+            name: cuda_time(step(recipe), repeats)
+            for name, recipe in (("bf16", None), ("tensorwise", "tensorwise"), ("blockwise", "blockwise"))
+        }
+    finally:  # leave no model-parallel state behind for the later sections (the RL step builds its own)
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
     return {
         "backend": "megatron TE spec",
         "layers": layers,
@@ -229,36 +255,73 @@ def small_qwen3_folder(directory: Path) -> Path:
     return directory
 
 
-def vllm_decode(repeats: int) -> dict[str, Any]:
-    import os
+def shutdown_vllm(llm: Any) -> None:
+    """Stop an in-process vLLM 0.32 engine and free its GPU memory.
 
+    ``vllm.LLM`` 0.32 has no ``shutdown()``; its engine-core client has: InprocClient.shutdown detaches the
+    client's finalizer and runs EngineCore.shutdown (executor and scheduler shutdown, then
+    ``cleanup_dist_env_and_memory``: vLLM's process groups and the default one destroyed, CUDA cache
+    emptied); SyncMPClient.shutdown stops the engine process.
+    """
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def vllm_decode(repeats: int) -> dict[str, Any]:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: a timeout kills one process
     from vllm import LLM, SamplingParams
 
-    out = {}
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = small_qwen3_folder(Path(tmp) / "model")
         prompts = [[1 + (i * 7 + j) % 30 for j in range(32)] for i in range(256)]
         params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=1.0, seed=0, detokenize=False)
-        for name, quant in (("bf16", None), ("fp8", "fp8")):
+        for name, quant in (("bf16", None), ("fp8", "fp8_per_tensor")):
             llm = LLM(
                 str(folder),
                 dtype="bfloat16",
                 quantization=quant,
-                gpu_memory_utilization=0.5,
+                gpu_memory_utilization=0.4,
+                max_model_len=512,
+                enforce_eager=True,
                 seed=0,
                 skip_tokenizer_init=True,
+                distributed_executor_backend="uni",
             )
-            llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)  # warm-up
-            t = time.perf_counter()
-            for _ in range(repeats):
-                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            seconds = (time.perf_counter() - t) / repeats
-            out[name] = {"seconds": seconds, "tokens_per_s": len(prompts) * 256 / seconds}
-            del llm
-            torch.cuda.empty_cache()
+            try:
+                llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)  # warm-up
+                t = time.perf_counter()
+                for _ in range(repeats):
+                    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                seconds = (time.perf_counter() - t) / repeats
+                out[name] = {"seconds": seconds, "tokens_per_s": len(prompts) * 256 / seconds}
+            finally:
+                shutdown_vllm(llm)
+                del llm
+                gc.collect()
+                torch.cuda.empty_cache()
     out["speedup_fp8"] = out["fp8"]["tokens_per_s"] / out["bf16"]["tokens_per_s"]
+    out["note"] = "in-process vLLM, enforce_eager=True (no CUDA graphs): decode ratios without graph capture"
     return out
+
+
+def environment() -> dict[str, Any]:
+    """This host's stack and which recipes the TE backend can run here (`check_gpu_environment`)."""
+    from fp8rl.models.te_recipes import check_gpu_environment, gpu_environment_report
+
+    report = gpu_environment_report()
+    checks = {}
+    for recipe in ("tensorwise", "blockwise", "mxfp8"):
+        try:
+            check_gpu_environment(recipe, "te", report)
+            checks[recipe] = "ok"
+        except ValueError as err:
+            checks[recipe] = str(err)
+    return {**report, "te_recipes": checks}
 
 
 # --------------------------------------------------------------------------------------- 4. mismatch
@@ -282,33 +345,57 @@ def mismatch() -> dict[str, Any]:
     return {k: metrics[k] for k in keys if k in metrics}
 
 
-SECTIONS = {
-    "parity": (parity, ()),
-    "train_step": (None, ("megatron.core", "transformer_engine")),
-    "vllm": (vllm_decode, ("vllm",)),
-    "mismatch": (mismatch, ("vllm", "transformer_engine", "megatron.core")),
-}
+SECTION_NAMES = ("environment", "parity", "train_step", "vllm", "mismatch")
 
 
-def run_sections(args) -> dict[str, Any]:
+def section_runners(args: argparse.Namespace) -> dict[str, Callable[[], dict[str, Any]]]:
+    """name -> a callable returning the section's result; {"skipped": reason} when its stack is missing."""
+
+    def needs(modules: tuple[str, ...], fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            reason = have(*modules)
+            return {"skipped": reason} if reason else fn()
+
+        return run
+
+    def train_step() -> dict[str, Any]:
+        missing = have("megatron.core", "transformer_engine")
+        fn = train_step_torch if missing else train_step_te
+        result = fn(args.layers, args.seq, args.micro, args.repeats)
+        gc.collect()  # the stack's model and optimizer are gone with the call: return their memory
+        torch.cuda.empty_cache()
+        if missing:
+            result["note"] = f"TE path skipped ({missing})"
+        return result
+
+    return {
+        "environment": environment,
+        "parity": parity,
+        "train_step": train_step,
+        "vllm": needs(("vllm",), lambda: vllm_decode(args.repeats)),
+        "mismatch": needs(("vllm", "transformer_engine", "megatron.core"), mismatch),
+    }
+
+
+def run_sections(
+    names: list[str],
+    runners: dict[str, Callable[[], dict[str, Any]]],
+    write: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run the named sections in order; after each one, ``write(results so far)`` (a timeout keeps them)."""
     results: dict[str, Any] = {}
-    for name in args.sections.split(","):
+    for name in names:
         t = time.perf_counter()
         try:
-            if name == "train_step":
-                missing = have("megatron.core", "transformer_engine")
-                fn = train_step_torch if missing else train_step_te
-                results[name] = fn(args.layers, args.seq, args.micro, args.repeats)
-                if missing:
-                    results[name]["note"] = f"TE path skipped ({missing})"
-            else:
-                fn, needs = SECTIONS[name]
-                reason = have(*needs)
-                results[name] = {"skipped": reason} if reason else (fn(args.repeats) if name == "vllm" else fn())
+            if name not in runners:
+                raise KeyError(f"unknown section {name!r}; valid: {list(runners)}")
+            results[name] = runners[name]()
         except Exception as err:  # noqa: BLE001 - one broken section must not hide the others
             results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
         results[name]["wall_s"] = time.perf_counter() - t
         print(f"{name}: {json.dumps(results[name], default=str)[:400]}", flush=True)
+        if write is not None:
+            write(results)
     return results
 
 
@@ -347,10 +434,20 @@ def markdown(results: dict[str, Any], targets: dict[str, Any], prov: dict[str, s
     return "\n".join(lines) + "\n"
 
 
+def write_report(out: Path, results: dict[str, Any], device: str, done: bool) -> None:
+    """gpu_check.json and gpu_check.md from the results so far (``done``: every section ran)."""
+    from fp8rl.tracking.provenance import provenance
+
+    targets = verdicts(results)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "gpu_check.json", {"device": device, "complete": done, "results": results, "targets": targets})
+    (out / "gpu_check.md").write_text(markdown(results, targets, provenance(), device))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/gpu"))
-    parser.add_argument("--sections", default="parity,train_step,vllm,mismatch")
+    parser.add_argument("--sections", default=",".join(SECTION_NAMES))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro", type=int, default=2)
@@ -359,15 +456,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: gpu_bench measures the GPU path only", file=sys.stderr)
         return 2
-    from fp8rl.tracking.provenance import provenance
-
-    results = run_sections(args)
-    targets = verdicts(results)
     device = (
         f"{torch.cuda.get_device_name()} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability()))})"
     )
-    write_json(args.out / "gpu_check.json", {"device": device, "results": results, "targets": targets})
-    (args.out / "gpu_check.md").write_text(markdown(results, targets, provenance(), device))
+    names = [n for n in args.sections.split(",") if n]
+    results = run_sections(names, section_runners(args), lambda r: write_report(args.out, r, device, done=False))
+    write_report(args.out, results, device, done=True)
     print(f"wrote {args.out / 'gpu_check.md'}")
     return 0
 

@@ -8,8 +8,10 @@
 #
 # Missing stacks are reported, not fatal: without Transformer Engine / megatron-core / vLLM the tests that
 # need them skip with their reason and gpu_bench.py runs what torch alone can (emulator vs torch._scaled_mm
-# parity, a torch._scaled_mm GEMM timing). A bare host without pytest: put it on PYTHONPATH (e.g.
-# `pip install --target .gpu-deps pytest` here, carried along), or the test step is reported as skipped.
+# parity, a torch._scaled_mm GEMM timing), reporting the other sections as skipped. gpu_bench.py rewrites
+# its JSON/Markdown report after every section, so a timeout keeps what finished. A bare host without
+# pytest: put it on PYTHONPATH (e.g. `pip install --target .gpu-deps pytest` here, carried along), or the
+# test step is reported as skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,16 +22,28 @@ export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 start=$(date +%s)
 
 "$PY" - <<'PY' | tee "$OUT/environment.txt"
-import importlib.util, platform, torch
+import importlib, platform, torch
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
-for m in ("transformer_engine", "megatron.core", "vllm", "pytest", "mlflow", "hydra"):
-    print(f"{m}: {'yes' if importlib.util.find_spec(m) else 'missing'}")
+for m in ("transformer_engine", "megatron.core", "vllm", "torchao", "pytest", "mlflow", "hydra"):
+    try:  # find_spec("megatron.core") raises when megatron is absent; a found module may still not import
+        importlib.import_module(m)
+        state = "yes"
+    except ModuleNotFoundError:
+        state = "missing"
+    except Exception as err:  # noqa: BLE001
+        state = f"fails to import ({type(err).__name__}: {str(err)[:120]})"
+    print(f"{m}: {state}")
+try:
+    from fp8rl.models.te_recipes import gpu_environment_report
+    print("gpu_environment_report:", gpu_environment_report())
+except Exception as err:  # noqa: BLE001
+    print("gpu_environment_report failed:", err)
 PY
 
 tests_rc=skipped
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" \
+  timeout -k 10 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" \
     tests/quant/test_te_parity.py tests/models/test_te_backend.py tests/trainer/test_gpu_step.py \
     2>&1 | tee "$OUT/gpu_tests.log"
   tests_rc=${PIPESTATUS[0]}
@@ -37,7 +51,7 @@ else
   echo "pytest is not installed: GPU tests skipped" | tee "$OUT/gpu_tests.log"
 fi
 
-timeout 210 "$PY" benchmarks/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.log"
+timeout -k 10 210 "$PY" benchmarks/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
 
 {

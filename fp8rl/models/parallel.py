@@ -16,13 +16,34 @@ Qwen3-8B-Base at 16K; the 4K/8K lengths it lists are assigned to the 32B and 14B
 | qwen3_14b    | 1 x 8        | 4  | 1  | 2  | 8192  | 1     | colocated, vLLM TP 2 |
 | qwen2_5_32b  | 2 x 8        | 8  | 1  | 2  | 4096  | 1     | colocated, vLLM TP 4 |
 
-The memory estimate (per GPU, bytes) is deliberately simple and conservative: BF16 weights and
-gradients (2 + 2 bytes/param) sharded by TP x PP, FP32 master weights and Adam moments (12 bytes/param)
-sharded further by DP with the distributed optimizer, activations with full recomputation off
-(~34 x seq x micro x hidden bytes per layer / TP, Korthikanti et al. 2022; with full recomputation,
-the default, only each layer's BF16 input is kept plus one layer's activations), plus the colocated vLLM
-share. It refuses layouts that cannot fit and says what to change; it does not prove a
-layout fits (fragmentation, NCCL buffers), which only a GPU run shows.
+The memory estimate (per GPU, `memory_breakdown_gb`) is deliberately simple; per parameter P, sharded
+by TP x PP unless said otherwise:
+
+- BF16 weights: 2 bytes.
+- FP32 main gradients: 4 bytes. Megatron DDP with grad_reduce_in_fp32 keeps one FP32 grad buffer of the
+  whole model chunk on every data-parallel rank (megatron-core 0.16.1 distributed/param_and_grad_buffer.py:803:
+  ``self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, ...)``); the distributed optimizer
+  reduce-scatters inside it, so it is not divided by DP. (The BF16 ``.grad`` of a parameter is added into
+  it and freed by DDP's backward hook, distributed_data_parallel.py:438-441: not counted.)
+- optimizer: FP32 master weights + Adam moments, 12 bytes, divided further by DP with the distributed
+  optimizer.
+- activations: with full recomputation (the default) each layer's BF16 input plus one layer's full
+  activations, ~34 x seq x micro x hidden bytes / TP (Korthikanti et al. 2022); without it every layer's.
+- logits of one micro-batch: seq x micro x vocab x (2/TP bytes for the TP-sharded BF16 output, 2 for its
+  full-vocabulary gather when TP > 1, 4 + 4 for the FP32 copy and its log-softmax):
+  fp8rl.models.logprobs gathers the vocabulary and scores in FP32 (a vocab-parallel log-softmax would
+  divide all of it by TP).
+- colocated vLLM: its share (``rollout_memory_fraction`` x GPU memory: vLLM 0.32 treats
+  gpu_memory_utilization as this engine's budget for weights, KV cache and activations). With sleep mode
+  (``rollout_sleep``, the CUDA default of fp8rl.rollout.vllm_engine: level 1 offloads the weights to CPU
+  and drops the KV cache) the share and the training transients (activations + logits) are never resident
+  together: peak = weights + grads + optimizer + max(transients, share); without it they add up.
+  `check_layout` also checks that the share holds vLLM's BF16 weights / rollout TP plus the KV cache of one
+  ``max_seq_len`` sequence (2 x layers x KV heads per rank x head dim x 2 bytes per token).
+
+It refuses layouts that cannot fit and says what to change; it does not prove a layout fits
+(fragmentation, NCCL buffers, the reference model when algo.kl_coef > 0: another 2 bytes per parameter),
+which only a GPU run shows.
 
 Verified where: this module (presets, divisibility, memory check, rendered layout) is tested on CPU
 (tests/models/test_parallel.py); no layout has been run on a GPU cluster from this repository yet.
@@ -58,6 +79,7 @@ class ParallelLayout:
     distributed_optimizer: bool = True
     activation_recompute: bool = True  # Megatron recompute_granularity="full": keep only each layer's input
     gpu_memory_gb: float = 80.0
+    rollout_sleep: bool = True  # colocated vLLM sleeps (frees its share) while the trainer computes
 
     @property
     def world_size(self) -> int:
@@ -152,7 +174,8 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, memory: bool = True
         )
     if not memory:
         return
-    need, have = estimate_memory_gb(layout, model), layout.gpu_memory_gb
+    parts = memory_breakdown_gb(layout, model)
+    need, have = parts["total"], layout.gpu_memory_gb
     if need > have:
         raise ParallelLayoutError(
             f"{model.name} with {layout.describe()} needs ~{need:.0f} GB per GPU (estimate), "
@@ -160,26 +183,61 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, memory: bool = True
             "raise parallel.tensor_parallel or pipeline_parallel, add nodes (more DP shards the optimizer), lower "
             "parallel.max_seq_len / micro_batch_size, or use rollout_placement=separate"
         )
+    rollout_need = parts["rollout_weights"] + parts["rollout_kv_one_sequence"]
+    rollout_have = parts["rollout"] if layout.rollout_placement == "colocated" else have
+    if rollout_need > rollout_have:
+        raise ParallelLayoutError(
+            f"vLLM needs ~{rollout_need:.0f} GB per GPU for {model.name} (BF16 weights / rollout TP "
+            f"{layout.rollout_tensor_parallel} + the KV cache of one {layout.max_seq_len}-token sequence), its share "
+            f"is {rollout_have:.0f} GB: raise parallel.rollout_tensor_parallel or rollout_memory_fraction"
+        )
+
+
+def memory_breakdown_gb(layout: ParallelLayout, model: ModelConfig) -> dict[str, float]:
+    """Per-GPU memory estimate in GB, by part (module docstring); "total" is the peak `check_layout` compares.
+
+    Keys: weights, main_grads, optimizer (resident), activations, logits (training transients), rollout
+    (the colocated vLLM share, 0 when separate), rollout_weights and rollout_kv_one_sequence (what the vLLM
+    engine needs at least), total.
+    """
+    params = parameter_count(model)
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    shard = tp * pp
+    optimizer_shard = shard * (layout.data_parallel if layout.distributed_optimizer else 1)
+    layers_here = model.num_layers / pp
+    tokens = layout.max_seq_len * layout.micro_batch_size
+    per_layer = 34.0 * tokens * model.hidden_size / tp
+    if layout.activation_recompute:  # stored: each layer's BF16 input; live: one layer's full activations
+        activations = 2.0 * tokens * model.hidden_size * layers_here / tp + per_layer
+    else:
+        activations = per_layer * layers_here
+    logits = tokens * model.vocab_size * (2.0 / tp + (2.0 if tp > 1 else 0.0) + 8.0)
+    rollout_tp = layout.rollout_tensor_parallel
+    kv_heads = max(1, model.num_query_groups // rollout_tp)
+    colocated = layout.rollout_placement == "colocated"
+    parts = {
+        "weights": 2.0 * params / shard,
+        "main_grads": 4.0 * params / shard,
+        "optimizer": 12.0 * params / optimizer_shard,
+        "activations": activations,
+        "logits": logits,
+        "rollout": layout.rollout_memory_fraction * layout.gpu_memory_gb * 1e9 if colocated else 0.0,
+        "rollout_weights": 2.0 * params / rollout_tp,
+        "rollout_kv_one_sequence": 2.0 * model.num_layers * kv_heads * model.kv_channels * 2.0 * layout.max_seq_len,
+    }
+    parts = {k: v / 1e9 for k, v in parts.items()}
+    resident = parts["weights"] + parts["main_grads"] + parts["optimizer"]
+    transients = parts["activations"] + parts["logits"]
+    if layout.rollout_sleep:
+        parts["total"] = resident + max(transients, parts["rollout"])
+    else:
+        parts["total"] = resident + transients + parts["rollout"]
+    return parts
 
 
 def estimate_memory_gb(layout: ParallelLayout, model: ModelConfig) -> float:
-    """Per-GPU memory estimate of the trainer (+ colocated vLLM share), in GB (module docstring)."""
-    params = parameter_count(model)
-    shard = layout.tensor_parallel * layout.pipeline_parallel
-    optimizer_shard = shard * (layout.data_parallel if layout.distributed_optimizer else 1)
-    weights_and_grads = 4.0 * params / shard
-    optimizer = 12.0 * params / optimizer_shard
-    layers_here = model.num_layers / layout.pipeline_parallel
-    tokens = layout.max_seq_len * layout.micro_batch_size
-    per_layer = 34.0 * tokens * model.hidden_size / layout.tensor_parallel
-    if layout.activation_recompute:  # stored: each layer's BF16 input; live: one layer's full activations
-        activations = 2.0 * tokens * model.hidden_size * layers_here / layout.tensor_parallel + per_layer
-    else:
-        activations = per_layer * layers_here
-    trainer = (weights_and_grads + optimizer + activations) / 1e9
-    if layout.rollout_placement == "colocated":
-        return trainer + layout.rollout_memory_fraction * layout.gpu_memory_gb
-    return trainer
+    """Per-GPU peak memory estimate of the trainer and the colocated vLLM, in GB (`memory_breakdown_gb`)."""
+    return memory_breakdown_gb(layout, model)["total"]
 
 
 def valid_tensor_parallel(model: ModelConfig, limit: int) -> list[int]:

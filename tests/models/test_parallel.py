@@ -6,13 +6,14 @@ import pytest
 
 from fp8rl.config import ConfigError, RunConfig, config_hash, with_overrides
 from fp8rl.launch.launchers import check_fits, resolve_launcher
-from fp8rl.models.config import get_model_config
+from fp8rl.models.config import get_model_config, parameter_count
 from fp8rl.models.parallel import (
     PARALLEL_PRESETS,
     ParallelLayout,
     ParallelLayoutError,
     check_layout,
     estimate_memory_gb,
+    memory_breakdown_gb,
     preset_layout,
     valid_tensor_parallel,
 )
@@ -45,8 +46,38 @@ def test_memory_estimate_counts_sharding_recompute_and_the_colocated_engine() ->
     assert mem(nodes=2) < mem()  # more DP ranks shard the distributed optimizer's state
     assert mem(distributed_optimizer=False) > mem()
     assert mem(activation_recompute=False) > mem() + 20
-    separate = mem(rollout_placement="separate", rollout_gpus=2)
-    assert separate == pytest.approx(mem() - base.rollout_memory_fraction * base.gpu_memory_gb, rel=0.2)
+    assert mem(rollout_sleep=False) > mem()  # vLLM's share and the training transients at once
+
+
+def test_memory_breakdown_parts() -> None:
+    """FP32 main grads (4 B/param, TP x PP only: Megatron's grad buffer is whole on every DP rank), BF16
+    weights, DP-sharded optimizer, full-vocabulary logits in FP32, vLLM's share; sleep mode overlaps the
+    share with the training transients instead of adding them."""
+    model, base = get_model_config("qwen3_8b"), preset_layout("qwen3_8b")  # TP 2, DP 4, seq 16384
+    params = parameter_count(model)
+    parts = memory_breakdown_gb(base, model)
+    assert parts["weights"] == pytest.approx(2 * params / 2 / 1e9)
+    assert parts["main_grads"] == pytest.approx(4 * params / 2 / 1e9)
+    assert parts["optimizer"] == pytest.approx(12 * params / 8 / 1e9)
+    assert parts["logits"] == pytest.approx(16384 * model.vocab_size * (1 + 2 + 8) / 1e9)
+    assert parts["rollout"] == pytest.approx(0.35 * 80)
+    assert parts["rollout_weights"] == pytest.approx(2 * params / 1e9)  # vLLM TP 1
+    assert parts["rollout_kv_one_sequence"] == pytest.approx(2 * 36 * 8 * 128 * 2 * 16384 / 1e9)
+    resident = parts["weights"] + parts["main_grads"] + parts["optimizer"]
+    transients = parts["activations"] + parts["logits"]
+    assert parts["total"] == pytest.approx(resident + max(transients, parts["rollout"]))
+    awake = memory_breakdown_gb(dataclasses.replace(base, rollout_sleep=False), model)
+    assert awake["total"] == pytest.approx(resident + transients + parts["rollout"])
+    more_dp = memory_breakdown_gb(dataclasses.replace(base, nodes=2), model)
+    assert more_dp["main_grads"] == parts["main_grads"] and more_dp["optimizer"] == pytest.approx(
+        parts["optimizer"] / 2
+    )
+    separate = memory_breakdown_gb(dataclasses.replace(base, rollout_placement="separate", rollout_gpus=2), model)
+    assert separate["rollout"] == 0 and separate["total"] == pytest.approx(
+        separate["weights"] + separate["main_grads"] + separate["optimizer"] + transients
+    )
+    tp1 = memory_breakdown_gb(dataclasses.replace(base, tensor_parallel=1), model)
+    assert tp1["logits"] == pytest.approx(16384 * model.vocab_size * (2 + 8) / 1e9)  # no gather at TP 1
 
 
 @pytest.mark.parametrize(
@@ -62,6 +93,16 @@ def test_memory_estimate_counts_sharding_recompute_and_the_colocated_engine() ->
         ("qwen3_8b", {"tensor_parallel": 16, "nodes": 2}, r"spans more than one node"),
         ("qwen3_8b", {"activation_recompute": False}, r"needs ~\d+ GB per GPU .* the GPU has 80 GB"),
         ("qwen2_5_32b", {"nodes": 1}, r"needs ~\d+ GB per GPU"),
+        (
+            "qwen2_5_32b",
+            {"rollout_tensor_parallel": 1},
+            r"vLLM needs ~67 GB per GPU .* its share is 28 GB: raise parallel.rollout_tensor_parallel",
+        ),
+        (
+            "qwen3_8b",
+            {"rollout_memory_fraction": 0.2},
+            r"vLLM needs ~19 GB per GPU .* its share is 16 GB",
+        ),
         ("qwen3_8b", {"max_seq_len": 65536}, r"exceeds qwen3_8b's 32768 positions"),
         ("qwen3_8b", {"rollout_placement": "separate"}, r"needs 0 < parallel.rollout_gpus < 8"),
         ("qwen3_8b", {"rollout_placement": "remote"}, r"choose one of \('colocated', 'separate'\)"),
