@@ -27,7 +27,7 @@ RECAL_K ?= $(if $(filter paper,$(SCALE)),10$(comma)20$(comma)40,2$(comma)5$(comm
 REPRO_SWEEP = $(VENV)/bin/fp8rl sweep --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(SWEEP_ARGS)
 REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 
-.PHONY: setup test test-fast lint docs demo mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-check
+.PHONY: setup test test-fast test-distributed lint docs demo mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-check
 
 setup: $(STAMP)
 
@@ -40,10 +40,14 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 test: setup
-	$(PY) -m pytest -q -m "not integration" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not integration and not distributed" $(PYTEST_ARGS) tests
+
+# Multi-rank jobs (torchrun, gloo): DP, TP, PP and TP x DP steps against one process, resume of a 2-rank job.
+test-distributed: setup
+	$(PY) -m pytest -q -m distributed $(PYTEST_ARGS) tests/distributed
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not integration and not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not integration and not slow and not distributed" $(PYTEST_ARGS) tests
 
 lint: setup
 	$(PY) -m ruff check fp8rl tests benchmarks

@@ -35,6 +35,7 @@ CHOICES: dict[str, Callable[[], Iterable[str]]] = {
     "precision.fmt": lambda: FORMAT_MODES,
     "precision.scaling": lambda: SCALING_MODES,
     "precision.amax_compute_algo": lambda: AMAX_COMPUTE_ALGOS,
+    "precision.amax_reduction": lambda: ("te", "tp_invariant"),
     "clipping.policy": CLIP_BOUND_POLICIES.names,
     "clipping.rollout_correction": ROLLOUT_CORRECTIONS.names,
     "rollout.engine": lambda: ROLLOUT_ENGINES,

@@ -132,10 +132,17 @@ class PrecisionConfig:
     margin: int = option(0, "delayed scaling: scale divided by 2^margin for headroom")
     backend: str = option("emulated", "emulated (fp8rl.quant, any device) or te (Transformer Engine, GPU)")
     fp8_kv_cache: bool = option(False, "FP8 (E4M3, unit-scale) KV cache in the rollout")
+    amax_reduction: str = option(
+        "te",
+        "emulated tensorwise FP8 under TP: te (as Transformer Engine: current scaling reduces nothing without "
+        "sequence parallelism, delayed scaling reduces every amax over TP) or tp_invariant (TP=N computes TP=1)",
+    )
+    compute: str = option("bf16", "precision of everything that is not an FP8 GEMM: bf16 autocast, or fp32 (tests)")
 
     def __post_init__(self) -> None:
         _one_of(self.mode, PRECISION_MODES, "precision.mode")
         _one_of(self.backend, FP8_BACKENDS, "precision.backend")
+        _one_of(self.compute, ("bf16", "fp32"), "precision.compute")
         _require(
             self.scaling == "current" or self.recipe == "tensorwise",
             "precision.scaling=delayed exists only for precision.recipe=tensorwise",
@@ -499,6 +506,8 @@ HASH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "precision.amax_history_len": (16,),
     "precision.amax_compute_algo": ("max",),
     "precision.margin": (0,),
+    "precision.compute": ("bf16",),
+    "precision.amax_reduction": ("te",),
     "model.hf_path": (None,),
     "task.dataset": (None,),
     "task.path": (None,),

@@ -64,6 +64,13 @@ def run_layout(cfg: RunConfig, world_size: int) -> ParallelLayout:
             f"algo.prompts_per_step={cfg.algo.prompts_per_step} does not split over DP = {layout.data_parallel} "
             "ranks: make it a multiple of the data-parallel size"
         )
+    groups_per_rank = cfg.algo.prompts_per_step // layout.data_parallel
+    if layout.data_parallel > 1 and groups_per_rank % cfg.algo.num_minibatches:
+        raise PreflightError(
+            f"algo.prompts_per_step={cfg.algo.prompts_per_step} over DP = {layout.data_parallel} ranks gives "
+            f"{groups_per_rank} group(s) per rank, which do not split into algo.num_minibatches="
+            f"{cfg.algo.num_minibatches}: make prompts_per_step a multiple of DP x num_minibatches"
+        )
     return layout
 
 

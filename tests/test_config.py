@@ -6,9 +6,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -186,30 +183,3 @@ def test_published_runs_keep_their_config_hash(path: str) -> None:
     assert runs
     for run in runs:
         assert config_hash(from_params(run["config"])) == run["tags"]["fp8rl.config_hash"], run["run_name"]
-
-
-# ---------------------------------------------------------------------------------------------- the CLI
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["precision=bf16", "clipping=calibrated"], "needs precision.mode=fp8_full"),
-        (["algo.advantage=grpoo"], "algo.advantage='grpoo' is not valid"),
-        (["task.name=nope"], "task.name='nope' is not valid"),
-        (["algo.num_minibatches=0"], "algo.num_minibatches=0 must be >= 1"),
-        (["model.preset=qwen9"], "model.preset='qwen9' is not valid"),
-        (["warmstart.cache_dir=/no/such/folder"], "warmstart.cache_dir=/no/such/folder does not exist"),
-    ],
-)
-def test_cli_exits_2_with_message_before_building_anything(tmp_path: Path, overrides: list[str], message: str) -> None:
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "fp8rl.train", *overrides, f"trainer.out_dir={tmp_path / 'run'}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr
-    assert not (tmp_path / "run").exists() and not (tmp_path / "mlflow.db").exists()
-    assert time.monotonic() - started < 60

@@ -16,7 +16,7 @@ from fp8rl.algos.advantages import (
     grpo_advantages,
     rloo_advantages,
 )
-from fp8rl.algos.aggregation import AGGREGATION_MODES, aggregate_loss
+from fp8rl.algos.aggregation import AGGREGATION_MODES, aggregate_loss, aggregation_count
 from fp8rl.algos.calibration import (
     CLIP_BOUND_POLICIES,
     CalibratedClipBounds,
@@ -79,6 +79,7 @@ __all__ = [
     "StandardClipBounds",
     "UnknownNameError",
     "aggregate_loss",
+    "aggregation_count",
     "apply_rollout_correction",
     "broadcast_to_tokens",
     "calibrate",

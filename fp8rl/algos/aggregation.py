@@ -34,6 +34,7 @@ def aggregate_loss(
     mode: str = "token-mean",
     *,
     norm_constant: float | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a (batch, response_len) per-token loss over ``response_mask`` to a 0-d tensor.
 
@@ -42,6 +43,9 @@ def aggregate_loss(
         response_mask: (batch, response_len), nonzero = token counts.
         mode: one of :data:`AGGREGATION_MODES`.
         norm_constant: divisor per sequence for ``"seq-mean-token-sum-norm"`` (default response_len).
+        denominator: the normaliser to divide by instead of this batch's own (:func:`aggregation_count`): the
+            count of the whole global mini-batch when it is split over data-parallel ranks and micro-batches
+            (verl's global-batch normalisation), so that the sum of the parts' losses is the whole's loss.
     """
     if per_token_loss.shape != response_mask.shape or per_token_loss.dim() != 2:
         raise ValueError(
@@ -49,18 +53,29 @@ def aggregate_loss(
             "must both be (batch, response_len)"
         )
     mask = as_bool_mask(response_mask)
+    if denominator is None:
+        denominator = aggregation_count(response_mask, mode, norm_constant=norm_constant)
+    denominator = torch.as_tensor(denominator, dtype=per_token_loss.dtype, device=per_token_loss.device)
+    if mode in ("token-mean", "seq-mean-token-sum-norm"):
+        return safe_div(masked_sum(per_token_loss, mask), denominator)
+    token_count = mask.sum(-1).to(per_token_loss.dtype)
+    seq_loss = masked_sum(per_token_loss, mask, dim=-1)
+    if mode == "seq-mean-token-mean":
+        seq_loss = safe_div(seq_loss, token_count)
+    return safe_div(masked_sum(seq_loss, token_count > 0), denominator)
+
+
+def aggregation_count(response_mask: torch.Tensor, mode: str, *, norm_constant: float | None = None) -> float:
+    """The normaliser of ``mode`` for a (batch, response_len) mask: its token count (token-mean), its sequences
+    with at least one token (the seq-mean modes), or batch x norm_constant (seq-mean-token-sum-norm)."""
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(sorted(AGGREGATION_MODES))}")
+    mask = as_bool_mask(response_mask)
     if mode == "token-mean":
-        return safe_div(masked_sum(per_token_loss, mask), mask.sum().to(per_token_loss.dtype))
+        return float(mask.sum())
     if mode == "seq-mean-token-sum-norm":
-        constant = per_token_loss.shape[-1] if norm_constant is None else norm_constant
+        constant = response_mask.shape[-1] if norm_constant is None else norm_constant
         if constant <= 0:
             raise ValueError(f"norm_constant must be positive, got {constant}")
-        return safe_div(masked_sum(per_token_loss, mask), float(per_token_loss.shape[0] * constant))
-    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        token_count = mask.sum(-1).to(per_token_loss.dtype)
-        seq_loss = masked_sum(per_token_loss, mask, dim=-1)
-        if mode == "seq-mean-token-mean":
-            seq_loss = safe_div(seq_loss, token_count)
-        nonempty = token_count > 0
-        return safe_div(masked_sum(seq_loss, nonempty), nonempty.sum().to(per_token_loss.dtype))
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(sorted(AGGREGATION_MODES))}")
+        return float(response_mask.shape[0] * constant)
+    return float((mask.sum(-1) > 0).sum())

@@ -64,7 +64,9 @@ def kl_loss(
     *,
     kind: str = "low_var_kl",
     agg: str = "token-mean",
+    denominator: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
-    """Aggregated KL penalty (0-d, unscaled by the coefficient) and ``{"actor/kl_loss": ...}``."""
-    loss = aggregate_loss(kl_penalty(logp, ref_logp, kind), response_mask, agg)
+    """Aggregated KL penalty (0-d, unscaled by the coefficient) and ``{"actor/kl_loss": ...}``; `denominator`
+    as in :func:`aggregate_loss` (a global mini-batch's normaliser)."""
+    loss = aggregate_loss(kl_penalty(logp, ref_logp, kind), response_mask, agg, denominator=denominator)
     return loss, {"actor/kl_loss": loss.detach()}

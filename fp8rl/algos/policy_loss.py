@@ -5,7 +5,7 @@
     loss_fn(logp, old_logp, adv, response_mask, *, clip_low, clip_high, agg="token-mean",
             rollout_logp=None, tis_cap=None, rollout_correction=None, mis_low=0.5, mis_high=2.0,
             ratio_ref=None, ref_clip_low=None, ref_clip_high=None, agg_norm_constant=None,
-            diagnostics=True, **loss_kwargs) -> (loss, metrics)
+            agg_denominator=None, diagnostics=True, **loss_kwargs) -> (loss, metrics)
 
 with logp / old_logp / rollout_logp / response_mask / ratio_ref of shape (batch, response_len), adv of
 shape (batch,) or (batch, response_len), bounds in *ratio* space (standard PPO: clip_low = 1 - eps_low,
@@ -90,6 +90,7 @@ class PolicyLoss:
         ref_clip_low: float | None = None,
         ref_clip_high: float | None = None,
         agg_norm_constant: float | None = None,
+        agg_denominator: float | None = None,
         diagnostics: bool = True,
         **loss_kwargs,
     ) -> tuple[torch.Tensor, Metrics]:
@@ -110,7 +111,9 @@ class PolicyLoss:
         if correction.weights is not None:
             per_token_loss = per_token_loss * correction.weights  # TIS: stop-gradient weight on the token loss
         loss_mask = correction.response_mask
-        loss = aggregate_loss(per_token_loss, loss_mask, agg, norm_constant=agg_norm_constant)
+        loss = aggregate_loss(
+            per_token_loss, loss_mask, agg, norm_constant=agg_norm_constant, denominator=agg_denominator
+        )
 
         metrics: Metrics = {"actor/pg_loss": loss.detach(), **correction.metrics}
         if diagnostics:

@@ -15,27 +15,32 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import safetensors.torch
 import torch
 
 from fp8rl import algos
-from fp8rl.config import AlgoConfig, ClippingConfig, RunConfig, TaskConfig
+from fp8rl.config import AlgoConfig, ClippingConfig, PrecisionConfig, RunConfig, TaskConfig
 from fp8rl.models.config import ModelConfig, get_model_config, with_tokenizer_vocab
-from fp8rl.models.gpt import build_gpt_model
+from fp8rl.models.fp8_layers import set_fp8_amax_reduction
 from fp8rl.models.outliers import inject_activation_outliers
 from fp8rl.models.parallel import ParallelLayout
+from fp8rl.models.policy import Policy
+from fp8rl.models.policy import build_policy as build_policy_module
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.tasks import Task, build_task
 from fp8rl.trainer.distributed import DataParallel
 from fp8rl.trainer.loop import Parts
-from fp8rl.trainer.optim import MegatronPolicyOptimizer, TorchPolicyOptimizer
+from fp8rl.trainer.optim import TorchPolicyOptimizer, megatron_policy_optimizer
 from fp8rl.trainer.precision import PrecisionPlan, plan_precision
 from fp8rl.trainer.warmstart import warmstart
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,13 +62,25 @@ def checkpoint_folder(source: str) -> str:
         return source
     from huggingface_hub import snapshot_download
 
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]
     try:
-        return snapshot_download(repo_id=source, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        return rank_zero_first(lambda: snapshot_download(repo_id=source, allow_patterns=patterns))
     except Exception as err:
         raise RuntimeError(
             f"could not download {source} from the Hugging Face hub ({err}); download it where the hub can be "
             "reached and pass the folder: model.hf_path=<local folder>"
         ) from err
+
+
+def rank_zero_first(make: Callable[[], T]) -> T:
+    """`make()` on rank 0, then on the other ranks (which then find what rank 0 cached: a warm start, a download)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return make()
+    result = make() if dist.get_rank() == 0 else None
+    dist.barrier()
+    return result if dist.get_rank() == 0 else make()
 
 
 def task_for_layout(cfg: RunConfig, layout: ParallelLayout) -> TaskConfig:
@@ -86,62 +103,87 @@ def start_weights(cfg: RunConfig, task: Task, hf_folder: str | None) -> StartWei
     model_cfg = with_tokenizer_vocab(get_model_config(cfg.model.preset), task.tokenizer.vocab_size)
     if cfg.warmstart.steps == 0 or not hasattr(task, "target_ids"):
         return StartWeights(model_cfg, None, f"random initialisation (seed {cfg.warmstart.seed})")
-    result = warmstart(model_cfg, task, cfg.task, cfg.warmstart)
+    result = rank_zero_first(lambda: warmstart(model_cfg, task, cfg.task, cfg.warmstart))
     accuracy = result.metadata.get("eval/accuracy", float("nan"))
     source = f"{cfg.warmstart.steps}-step supervised warm start ({accuracy:.1%} greedy held-out accuracy)"
     return StartWeights(model_cfg, safetensors.torch.load_file(str(result.weights_path)), source)
 
 
-def build_model(weights: StartWeights, seed: int, device: torch.device) -> torch.nn.Module:
-    """The local-spec Megatron model with the start weights (strict: every tensor must match)."""
-    model = build_gpt_model(weights.model_cfg, seed=seed)
-    if weights.tensors is not None:
-        missing, unexpected = model.load_state_dict(weights.tensors, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(f"start weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model.to(device)
+def build_policy(cfg: RunConfig, weights: StartWeights, layout: ParallelLayout, world_size: int, device):
+    """(policy, optimizer): this rank's model with the start weights and its optimizer:
+
+    - one process, emulated FP8: the local layer spec and torch AdamW;
+    - several ranks (CPU or GPU): Megatron DDP and Megatron's Adam around this rank's shard / stage (gradients
+      reduced over DP, replicated parameters over TP, tied embeddings over PP);
+    - Transformer Engine (GPU): the TE layer spec, BF16 parameters with FP32 master weights.
+    """
+    if cfg.precision.backend == "te":
+        return _te_policy(cfg, weights, layout)
+    policy = policy_with_weights(weights, cfg, device)
+    if world_size == 1:
+        return policy, TorchPolicyOptimizer(policy.module, cfg.algo.lr, cfg.algo.weight_decay)
+    ddp_model, optimizer = megatron_policy_optimizer(
+        policy.module, cfg.algo.lr, cfg.algo.weight_decay, distributed=layout.distributed_optimizer, bf16=False
+    )
+    return Policy(ddp_model, policy.cfg, policy.layout), optimizer
 
 
-def build_policy(cfg: RunConfig, weights: StartWeights, layout: ParallelLayout, device: torch.device):
-    """(policy, optimizer): the local spec + torch AdamW, or the TE spec + Megatron DDP and optimizer (GPU)."""
-    model = build_model(weights, cfg.warmstart.seed, device)
+def policy_with_weights(weights: StartWeights, cfg: RunConfig, device: torch.device) -> Policy:
+    """This rank's part of the local-spec model with the start weights (and the outlier ablation, if asked)."""
+    policy = build_policy_module(weights.model_cfg, weights.tensors, cfg.warmstart.seed, device)
+    if policy.layout.tp > 1:
+        set_fp8_amax_reduction(policy.module, amax_reduction_policy(cfg.precision))
     if cfg.model.outlier_channels:
-        inject_activation_outliers(model, cfg.model.outlier_channels, cfg.model.outlier_scale, seed=cfg.warmstart.seed)
-    if cfg.precision.backend != "te":
-        return model, TorchPolicyOptimizer(model, cfg.algo.lr, cfg.algo.weight_decay)
+        inject_activation_outliers(
+            policy.module, cfg.model.outlier_channels, cfg.model.outlier_scale, seed=cfg.warmstart.seed
+        )
+    return policy
+
+
+def amax_reduction_policy(precision: PrecisionConfig) -> str:
+    """Which tensorwise amaxes the emulated FP8 linears all-reduce over their TP group (fp8_layers'
+    AMAX_REDUCTION_ROLES). Transformer Engine's delayed scaling reduces over TP x DP; the emulator reduces over TP
+    only (megatron's ``tp_only_amax_red``): the rollout's decode loops run different lengths on different DP
+    ranks, and a per-GEMM collective across them would wait forever."""
+    if precision.amax_reduction == "tp_invariant":
+        return "tp_invariant"
+    return "all" if precision.scaling == "delayed" else "te_current"
+
+
+def _te_policy(cfg: RunConfig, weights: StartWeights, layout: ParallelLayout):
     from fp8rl.models import te_backend
+    from fp8rl.models.policy import Layout
 
     te_model = te_backend.build_te_gpt_model(weights.model_cfg, layout, plan_precision(cfg.precision).train_recipe)
-    te_backend.load_local_weights(te_model, model.state_dict())
-    ddp_model, optimizer = te_backend.policy_optimizer(te_model, layout, cfg.algo.lr, cfg.algo.weight_decay)
-    return ddp_model, MegatronPolicyOptimizer(ddp_model, optimizer)
+    local = policy_with_weights(dataclasses.replace(weights), cfg, torch.device("cpu"))
+    te_backend.load_local_weights(te_model, local.module.state_dict())
+    ddp_model, optimizer = megatron_policy_optimizer(
+        te_model, cfg.algo.lr, cfg.algo.weight_decay, distributed=layout.distributed_optimizer, bf16=True
+    )
+    return Policy(ddp_model, weights.model_cfg, Layout.current()), optimizer
 
 
-def build_reference(cfg: RunConfig, weights: StartWeights, device: torch.device) -> torch.nn.Module | None:
+def build_reference(cfg: RunConfig, weights: StartWeights, device: torch.device) -> Policy | None:
     """The frozen start policy for the KL penalty (a second model loaded from the same weights)."""
     if cfg.algo.kl_coef <= 0:
         return None
-    reference = build_model(weights, cfg.warmstart.seed, device)
-    if cfg.model.outlier_channels:
-        inject_activation_outliers(
-            reference, cfg.model.outlier_channels, cfg.model.outlier_scale, seed=cfg.warmstart.seed
-        )
-    reference.requires_grad_(False)
-    return reference.eval()
+    reference = policy_with_weights(weights, cfg, device)
+    reference.module.requires_grad_(False)
+    reference.module.eval()
+    return reference
 
 
-def build_engine(cfg: RunConfig, policy: torch.nn.Module, model_cfg: ModelConfig, task: Task, plan: PrecisionPlan):
+def build_engine(cfg: RunConfig, policy: Policy, model_cfg: ModelConfig, task: Task, plan: PrecisionPlan):
     """The rollout engine: the built-in one over the policy itself, or vLLM fed with its weights."""
     if cfg.rollout.engine == "builtin":
         from fp8rl.rollout.builtin import BuiltinEngine
 
         pad_id, kv_cache = task.tokenizer.pad_id, cfg.precision.fp8_kv_cache
-        return BuiltinEngine(policy, plan.rollout_recipe, pad_id, fp8_kv_cache=kv_cache)
+        return BuiltinEngine(policy, plan.rollout_recipe, pad_id, compute=plan.compute, fp8_kv_cache=kv_cache)
     from fp8rl.rollout.vllm_engine import VllmEngine
 
     return VllmEngine(
-        policy,
+        policy.module,
         model_cfg,
         task.tokenizer.pad_id,
         recipe=plan.rollout_recipe,
@@ -193,7 +235,7 @@ def build_parts(cfg: RunConfig, layout: ParallelLayout, dp: DataParallel, device
     hf_folder = None if cfg.model.hf_path is None else checkpoint_folder(cfg.model.hf_path)
     task = build_task(task_for_layout(cfg, layout), hf_folder)
     weights = start_weights(cfg, task, hf_folder)
-    policy, optimizer = build_policy(cfg, weights, layout, device)
+    policy, optimizer = build_policy(cfg, weights, layout, layout.world_size, device)
     plan = plan_precision(cfg.precision)
     parts = Parts(
         policy=policy,
@@ -206,5 +248,6 @@ def build_parts(cfg: RunConfig, layout: ParallelLayout, dp: DataParallel, device
         reference=build_reference(cfg, weights, device),
         dp=dp,
         device=device,
+        micro_batch_size=layout.micro_batch_size if layout.pipeline_parallel > 1 else None,
     )
     return parts, weights.source

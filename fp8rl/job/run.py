@@ -27,7 +27,16 @@ from fp8rl.job.distributed import DistEnv, dist_env_from_environ, init_distribut
 from fp8rl.job.parts import build_parts
 from fp8rl.job.process import apply_process_settings, close_log_file, setup_logging
 from fp8rl.preflight import check_environment, run_layout
-from fp8rl.tracking import MlflowTracker, NullTracker, RunSpec, Tracker, provenance, resolve_tracking_uri, store
+from fp8rl.tracking import (
+    MlflowTracker,
+    NullTracker,
+    RunSpec,
+    Tracker,
+    provenance,
+    redact,
+    resolve_tracking_uri,
+    store,
+)
 from fp8rl.trainer import checkpoint as ckpt
 from fp8rl.trainer.distributed import DataParallel
 from fp8rl.trainer.fit import RunSummary, fit
@@ -66,7 +75,7 @@ def _run(cfg, env: DistEnv, tracker, stop_after, hydra_dir, submitted_at) -> Run
 
     init_megatron(layout.tensor_parallel, layout.pipeline_parallel, seed=cfg.warmstart.seed)
     dp = data_parallel()
-    state = run_dir_state(cfg, out_dir, env.rank)
+    state = run_dir_state(cfg, out_dir, env.rank, env.world_size)
     name = cfg.tracking.run_name or default_run_name(cfg)
     if tracker is None:
         tracker, finished = (NullTracker(), None)
@@ -139,16 +148,20 @@ def _device(cfg: RunConfig) -> torch.device:
 
 
 # ---------------------------------------------------------------------------------------------- run folder
-def prepare_run_dir(cfg: RunConfig, out_dir: str) -> dict[str, Any] | None:
-    """The state to resume from (None: a fresh start). ``trainer.resume=false`` moves an earlier run's
-    folder aside (kept, never deleted); a checkpoint of another config is refused."""
+def prepare_run_dir(cfg: RunConfig, out_dir: str, world_size: int = 1) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from, (path, rank 0's state), or None for a fresh start.
+    ``trainer.resume=false`` moves an earlier run's folder aside (kept, never deleted); a checkpoint of
+    another config, or of another number of ranks, is refused."""
     folder = Path(out_dir)
     if not cfg.trainer.resume and folder.exists() and any(folder.iterdir()):
         aside = folder.with_name(f"{folder.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
         shutil.move(str(folder), aside)
         log.info("trainer.resume=false: moved the earlier run in %s to %s", folder, aside)
     folder.mkdir(parents=True, exist_ok=True)
-    found = ckpt.latest_good_checkpoint(out_dir)
+    try:
+        found = ckpt.latest_good_checkpoint(out_dir, world_size)
+    except ckpt.CheckpointLayoutMismatch as err:
+        raise ConfigError(str(err)) from err
     if found is None:
         return None
     path, state = found
@@ -157,20 +170,25 @@ def prepare_run_dir(cfg: RunConfig, out_dir: str) -> dict[str, Any] | None:
             f"{out_dir} holds a checkpoint of a different config ({path.name}); use another trainer.out_dir, "
             "or trainer.resume=false to move it aside and start fresh"
         )
-    return state
+    return path, state
 
 
-def run_dir_state(cfg: RunConfig, out_dir: str, rank: int) -> dict[str, Any] | None:
-    """Rank 0 prepares the folder (`prepare_run_dir`); the other ranks then read the same checkpoint."""
-    import torch.distributed as dist
-
-    state = prepare_run_dir(cfg, out_dir) if rank == 0 else None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-        if rank != 0:
-            found = ckpt.latest_good_checkpoint(out_dir)
-            state = None if found is None else found[1]
-    return state
+def run_dir_state(cfg: RunConfig, out_dir: str, rank: int, world_size: int = 1) -> dict[str, Any] | None:
+    """Rank 0 prepares the folder (`prepare_run_dir`) and picks the checkpoint; every rank then reads its own
+    file of it. A refusal on rank 0 (bad folder, other config) is raised on every rank."""
+    outcome: Any = None
+    if rank == 0:
+        try:
+            outcome = prepare_run_dir(cfg, out_dir, world_size)
+        except (ConfigError, ckpt.CorruptCheckpoint) as err:
+            outcome = err
+    outcome = _broadcast(outcome) if world_size > 1 else outcome
+    if isinstance(outcome, Exception):
+        raise outcome
+    if outcome is None:
+        return None
+    path, state = outcome
+    return state if rank == 0 else ckpt.load_checkpoint(ckpt.shard_path(Path(path), rank))
 
 
 def _broadcast(value: Any) -> Any:
@@ -278,10 +296,13 @@ def run_artifacts(cfg: RunConfig, out_dir: str, hydra_dir: str | Path | None) ->
     """resolved_config.json, the command line, and Hydra's config files when the run came through Hydra."""
     folder = Path(out_dir)
     resolved = folder / "resolved_config.json"
-    resolved.write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    resolved.write_text(redact(json.dumps(to_dict(cfg), indent=2, default=str)))
     command = folder / "command.txt"
-    command.write_text(" ".join([sys.executable, *sys.argv]) + "\n")
+    command.write_text(redact(" ".join([sys.executable, *sys.argv])) + "\n")
     artifacts: list[tuple[str, str | None]] = [(str(resolved), None), (str(command), None)]
-    hydra_files = sorted(Path(hydra_dir, ".hydra").glob("*.yaml")) if hydra_dir else []
-    artifacts += [(str(f), "hydra") for f in hydra_files]
+    for source in sorted(Path(hydra_dir, ".hydra").glob("*.yaml")) if hydra_dir else []:
+        copy = folder / "hydra" / source.name  # credentials in an override (a tracking URI) never leave the host
+        copy.parent.mkdir(exist_ok=True)
+        copy.write_text(redact(source.read_text()))
+        artifacts.append((str(copy), "hydra"))
     return artifacts

@@ -164,6 +164,18 @@ def check_fits(cfg: RunConfig, launcher: Launcher) -> None:
         )
     if launcher.kind == "slurm" and cfg.model.device == "cuda":
         check_slurm_layout(cfg, launcher)
+    elif launcher.kind == "slurm":
+        check_cpu_ranks(cfg, launcher)
+
+
+def check_cpu_ranks(cfg: RunConfig, launcher: Launcher) -> None:
+    """A CPU job of several Slurm tasks (``--set tasks_per_node=2``: one gloo rank per task) must fit the run's
+    layout and batch sizes."""
+    from fp8rl.preflight import run_layout
+
+    world = int(launcher.params.get("nodes") or 1) * int(launcher.params.get("tasks_per_node") or 1)
+    if world > 1:
+        run_layout(cfg, world_size=world)
 
 
 def check_slurm_layout(cfg: RunConfig, launcher: Launcher) -> None:

@@ -5,7 +5,9 @@ exists for exactly one of them, is applied only when CUDA is unavailable, and is
 
 1. ``GlobalMemoryBuffer.get_tensor`` allocates with ``device=torch.cuda.current_device()``; the local
    ``DotProductAttention`` takes its ``baddbmm`` output buffer from it on every forward. We replace
-   the buffer *instance* held by ``parallel_state`` with a subclass allocating on CPU.
+   the buffer *instance* held by ``parallel_state`` with a subclass allocating on the device of the
+   attention's query (set by a wrapper of ``DotProductAttention.forward``): CPU here, and whatever device
+   a model is moved to (the fake-device placement tests, tests/models/test_device_placement.py).
 2. The CUDA RNG tracker (``model_parallel_cuda_manual_seed`` / ``get_cuda_rng_tracker``) saves and
    restores ``torch.cuda`` RNG states; ``DotProductAttention`` forks it around attention dropout on
    every forward. We install a tracker with the same interface over the CPU generator.
@@ -40,6 +42,7 @@ from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.tensor_parallel import layers as mcore_layers
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import attention as mcore_attention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.utils import GlobalMemoryBuffer
 
 _PATCHED_ATTR = "_fp8rl_cpu_patched"
@@ -52,22 +55,38 @@ def apply_cpu_shims() -> None:
 
 
 class CpuGlobalMemoryBuffer(GlobalMemoryBuffer):
-    """megatron's reusable scratch buffer, allocated on CPU (patch 1)."""
+    """megatron's reusable scratch buffer, allocated on the device of the attention's query (patch 1)."""
+
+    device = torch.device("cpu")
 
     def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
         required_len = 1
         for dim in tensor_shape:
             required_len *= dim
-        cached = self.buffer.get((name, dtype))
+        key = (name, dtype, self.device)
+        cached = self.buffer.get(key)
         if cached is None or cached.numel() < required_len:
-            self.buffer[(name, dtype)] = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
-        return self.buffer[(name, dtype)][0:required_len].view(*tensor_shape)
+            self.buffer[key] = torch.empty(required_len, dtype=dtype, device=self.device, requires_grad=False)
+        return self.buffer[key][0:required_len].view(*tensor_shape)
 
 
 def use_cpu_memory_buffer() -> None:
-    """Swap the buffer instance held by ``parallel_state`` for a CPU one (patch 1)."""
+    """Swap the buffer instance held by ``parallel_state`` for a device-following one (patch 1)."""
     if not isinstance(parallel_state._GLOBAL_MEMORY_BUFFER, CpuGlobalMemoryBuffer):
         parallel_state._GLOBAL_MEMORY_BUFFER = CpuGlobalMemoryBuffer()
+    if getattr(DotProductAttention.forward, _PATCHED_ATTR, False):
+        return
+    original = DotProductAttention.forward
+
+    @functools.wraps(original)
+    def forward(self, query, *args, **kwargs):
+        buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+        if isinstance(buffer, CpuGlobalMemoryBuffer):
+            buffer.device = query.device
+        return original(self, query, *args, **kwargs)
+
+    setattr(forward, _PATCHED_ATTR, True)
+    DotProductAttention.forward = forward
 
 
 class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
@@ -101,12 +120,15 @@ class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
 
 
 def install_cpu_rng_tracker(seed: int) -> None:
-    """Install a fresh CPU tracker with megatron's three named states, seeded as megatron seeds them."""
+    """Install a fresh CPU tracker with megatron's three named states, seeded as megatron seeds them
+    (model_parallel_cuda_manual_seed, tensor_parallel/random.py: the model-parallel stream is offset by the TP
+    rank, the expert one by the expert ranks)."""
     tracker = CpuRNGStatesTracker()
-    # Same offsets as megatron's model_parallel_cuda_manual_seed for tp_rank = ep_rank = etp_rank = 0.
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    expert = 100 * parallel_state.get_expert_model_parallel_rank() + parallel_state.get_expert_tensor_parallel_rank()
     tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
-    tracker.add(mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + expert)
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 

@@ -27,16 +27,14 @@ S4. Optimizer constructors: optimizer.py:473,481,485 (MixedPrecisionOptimizer: f
     optimizer/distrib_optimizer.py:361,420,582 (DistributedOptimizer picks its code path from
     ``param.type() == 'torch.cuda.FloatTensor'`` etc. and raises TypeError otherwise) run under
     :class:`CudaArgsToCpu`.
-S5. Per-TP-rank model-parallel RNG state: ``cpu_compat.install_cpu_rng_tracker`` seeds every rank as TP rank
-    0; megatron's ``model_parallel_cuda_manual_seed`` (tensor_parallel/random.py:412-413) uses
-    ``seed + 2718 + tp_rank`` (only matters with dropout > 0). This replaces cpu_compat's function.
+(The per-TP-rank model-parallel RNG offsets, megatron's ``seed + 2718 + tp_rank``, are in
+``cpu_compat.install_cpu_rng_tracker``.)
 
 Not needed for TP + DP: ``torch.cuda.synchronize`` (pipeline_parallel/p2p_communication.py:242,398, only
 pipeline schedules).
 
-Order: ``dist.init_process_group("gloo")``, ``parallel_state.initialize_model_parallel(tp, pp)`` with the
-run's layout, ``apply_cpu_multirank_shims()``, then ``build_gpt_model`` (its ``init_megatron_cpu`` leaves
-the groups alone and applies cpu_compat's patches). Tested by tests/models/test_distributed_compat.py (two
+Applied by `fp8rl.models.runtime.init_megatron` after megatron's groups exist with the run's layout, when
+the world has more than one rank. Tested by tests/models/test_distributed_compat.py (two
 spawned gloo ranks). Measured with these shims on a 2-layer GPT (fp32, vs one process): TP=2 logits 1.8e-7
 and grads 6e-8 (after summing the QK-norm grads over TP); DP=2 synced grads 2.2e-8 and params after one
 clipped AdamW step 1.8e-7, replicated or distributed optimizer; TP=2 x DP=2 grad norm 7e-9.
@@ -181,38 +179,8 @@ def shim_optimizer_constructors() -> None:
         cls.__init__ = _under_cuda_args_to_cpu(cls.__init__)
 
 
-def shim_tp_rng_tracker() -> None:
-    """S5."""
-    from fp8rl.models import cpu_compat
-
-    if getattr(cpu_compat.install_cpu_rng_tracker, _FLAG, False):
-        return
-
-    def install_cpu_rng_tracker(seed: int) -> None:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import random as mcore_random
-
-        tracker = cpu_compat.CpuRNGStatesTracker()
-        tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-        tracker.add(
-            mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + parallel_state.get_tensor_model_parallel_rank()
-        )
-        tracker.add(
-            mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME,
-            seed
-            + 1024
-            + 100 * parallel_state.get_expert_model_parallel_rank()
-            + parallel_state.get_expert_tensor_parallel_rank(),
-        )
-        mcore_random._CUDA_RNG_STATE_TRACKER = tracker
-        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-
-    setattr(install_cpu_rng_tracker, _FLAG, True)
-    cpu_compat.install_cpu_rng_tracker = install_cpu_rng_tracker
-
-
 def apply_cpu_multirank_shims() -> None:
-    """S1-S5 (module docstring); a no-op on a CUDA host; idempotent.
+    """S1-S4 (module docstring); a no-op on a CUDA host; idempotent.
 
     Call after ``initialize_model_parallel`` with the run's layout and before building the model.
     """
@@ -222,4 +190,3 @@ def apply_cpu_multirank_shims() -> None:
     shim_tp_linear()
     shim_grad_norm_and_clip()
     shim_optimizer_constructors()
-    shim_tp_rng_tracker()

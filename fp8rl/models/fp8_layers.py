@@ -8,9 +8,11 @@ megatron's forward (bias handling, skip_bias_add, TP collectives around the GEMM
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
@@ -21,6 +23,7 @@ class Fp8SwitchableLinearMixin:
     fp8_recipe: Any = None  # an fp8rl.quant Fp8Recipe, or None for the high-precision GEMM
     fp8_scaling_state: Any = None  # this layer's DelayedScalingState (amax histories), made on first delayed use
     input_channel_scale: torch.Tensor | None = None  # fp8rl.models.outliers: GEMM sees (x * s) @ (W / s)^T
+    fp8_amax_reduce: Callable[[str, torch.Tensor], torch.Tensor] | None = None  # see set_fp8_amax_reduction
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.input_channel_scale is not None:
@@ -39,7 +42,9 @@ class Fp8SwitchableLinearMixin:
 
         if getattr(self.fp8_recipe, "scaling", "current") == "delayed" and self.fp8_scaling_state is None:
             self.fp8_scaling_state = DelayedScalingState(history_len=self.fp8_recipe.amax_history_len)
-        return fp8_linear(input, weight, kwargs.get("bias"), self.fp8_recipe, self.fp8_scaling_state)
+        return fp8_linear(
+            input, weight, kwargs.get("bias"), self.fp8_recipe, self.fp8_scaling_state, self.fp8_amax_reduce
+        )
 
 
 class Fp8ColumnParallelLinear(Fp8SwitchableLinearMixin, ColumnParallelLinear):
@@ -48,3 +53,48 @@ class Fp8ColumnParallelLinear(Fp8SwitchableLinearMixin, ColumnParallelLinear):
 
 class Fp8RowParallelLinear(Fp8SwitchableLinearMixin, RowParallelLinear):
     """``RowParallelLinear`` (linear_proj, linear_fc2) with a switchable emulated-FP8 GEMM."""
+
+
+# Per-tensor (tensorwise) FP8 scales under tensor parallelism: which operands of a TP linear are one shard of
+# a larger tensor, so that their local amax differs from the TP=1 tensor's:
+#   column-parallel (linear_qkv, linear_fc1): W's rows and dy's columns are split, x is replicated;
+#   row-parallel (linear_proj, linear_fc2): x's and W's columns are split, dy is replicated.
+# "tp_invariant" reduces exactly those (TP=N then computes what TP=1 does); "te_current" reduces nothing:
+# Transformer Engine's current scaling reduces amax over TP only for sequence-parallel-split operands (the column
+# input, the row grad_output), which are replicated without sequence parallelism, the only layout the emulated
+# linears support. Transformer Engine's delayed scaling reduces every amax over the amax-reduction group (TP x DP
+# with megatron's defaults): pass that group and all three roles.
+AMAX_REDUCTION_ROLES = {
+    "tp_invariant": {"column": ("w", "dy"), "row": ("x", "w")},
+    "te_current": {"column": (), "row": ()},
+    "all": {"column": ("x", "w", "dy"), "row": ("x", "w", "dy")},
+}
+
+
+def make_amax_reducer(group, roles) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+    """All-reduce MAX over `group` of the amax of the operands in `roles`; None when nothing is reduced."""
+    if group is None or dist.get_world_size(group) == 1 or not roles:
+        return None
+
+    def reduce(role: str, amax: torch.Tensor) -> torch.Tensor:
+        if role not in roles:
+            return amax
+        amax = amax.detach().float().clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return amax
+
+    return reduce
+
+
+def set_fp8_amax_reduction(model: torch.nn.Module, policy: str | None, group=None) -> None:
+    """Set every FP8-switchable linear's amax reduction: a policy of AMAX_REDUCTION_ROLES over its TP group
+    (or `group`, e.g. megatron's amax-reduction group for delayed scaling); None = off."""
+    for module in model.modules():
+        if isinstance(module, Fp8SwitchableLinearMixin):
+            if policy is None:
+                module.fp8_amax_reduce = None
+                continue
+            kind = "column" if isinstance(module, ColumnParallelLinear) else "row"
+            module.fp8_amax_reduce = make_amax_reducer(
+                group if group is not None else module.tp_group, AMAX_REDUCTION_ROLES[policy][kind]
+            )

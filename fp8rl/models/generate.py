@@ -12,8 +12,9 @@ sampled token's probability under the truncated distribution is higher than repo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
@@ -26,6 +27,9 @@ from fp8rl.models.logprobs import (
     position_ids_from_mask,
 )
 from fp8rl.models.sampling import SamplingConfig
+
+# (new token ids (b, q), position ids, attention mask, KV-cache context, vocab limit) -> last logits (b, vocab)
+NextLogits = Callable[[Tensor, Tensor, Tensor, StaticInferenceContext, "int | None"], Tensor]
 
 
 @dataclass
@@ -95,12 +99,16 @@ def generate(
     prompt_mask: Tensor,
     cfg: SamplingConfig,
     seeds: Sequence[int] | None = None,
+    next_logits: NextLogits | None = None,
 ) -> GenerationOutput:
     """Sample up to ``cfg.max_new_tokens`` tokens after each LEFT-padded prompt.
 
     prompt_ids, prompt_mask: (b, p), mask 1 = token. ``seeds``: one per row (see `sample_tokens`).
-    The model is put in eval mode for the call (megatron uses the KV cache only then) and restored.
+    ``next_logits``: how the new tokens' last logits are computed (default: one forward of `model`; a pipeline
+    of stages passes its own). The model is put in eval mode for the call (megatron uses the KV cache only
+    then) and restored.
     """
+    next_logits = next_logits or partial(_last_token_logits, model)
     batch, prompt_len = prompt_ids.shape
     device = prompt_ids.device
     ctx = StaticInferenceContext(max_batch_size=batch, max_sequence_length=prompt_len + cfg.max_new_tokens)
@@ -118,7 +126,7 @@ def generate(
     try:
         prompt_positions = position_ids_from_mask(prompt_mask)
         prompt_attention = causal_padding_mask(prompt_mask)
-        logits = _last_token_logits(model, prompt_ids, prompt_positions, prompt_attention, ctx, cfg.vocab_size)
+        logits = next_logits(prompt_ids, prompt_positions, prompt_attention, ctx, cfg.vocab_size)
         ctx.sequence_len_offset = prompt_len
         ctx.enable_decode_mode()
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -138,7 +146,7 @@ def generate(
             seen = key_mask[:, : prompt_len + step + 1]
             position = seen.sum(dim=1, keepdim=True) - 1
             new_token = out.tokens[:, step : step + 1]
-            logits = _last_token_logits(model, new_token, position, decode_step_mask(seen), ctx, cfg.vocab_size)
+            logits = next_logits(new_token, position, decode_step_mask(seen), ctx, cfg.vocab_size)
             ctx.sequence_len_offset += 1
     finally:
         model.train(was_training)

@@ -143,6 +143,8 @@ def stage_state_dict(full: dict[str, Any], stage: GPTModel) -> dict[str, Any]:
         source = global_key(key, offset)
         if key == "output_layer.weight" and source not in full and stage.share_embeddings_and_output_weights:
             source = "embedding.word_embeddings.weight"
+        if source not in full and key.endswith("_extra_state"):
+            continue  # FP8 metadata a plain-torch checkpoint does not carry
         out[key] = full[source]
     return out
 
@@ -178,7 +180,10 @@ def build_gpt_stage(
             position_embedding_type="rope",
             rotary_base=cfg.rotary_base,
         )
-    stage.load_state_dict(stage_state_dict(full_state_dict, stage), strict=True)
+    missing, unexpected = stage.load_state_dict(stage_state_dict(full_state_dict, stage), strict=False)
+    missing = [key for key in missing if not key.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"stage weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return stage
 
 
@@ -214,6 +219,16 @@ def response_logprobs(mb: dict, logits: torch.Tensor, temperature: float, vocab_
     """Last stage: (logp, entropy), each (b, response_len) fp32, from the full-sequence logits (b, s, V)."""
     r = mb["response_len"]
     return logprobs_and_entropy_from_logits(logits[:, -r - 1 : -1, :vocab_size], mb["input_ids"][:, -r:], temperature)
+
+
+# (logits, input_ids, response_len, temperature, vocab_size) -> (logp, entropy): e.g. vocabulary-parallel under TP
+LogprobsFn = Callable[[torch.Tensor, torch.Tensor, int, float, "int | None"], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _score(logprobs_fn: LogprobsFn | None, mb: dict, logits: torch.Tensor, temperature: float, vocab_size):
+    if logprobs_fn is None:
+        return response_logprobs(mb, logits, temperature, vocab_size)
+    return logprobs_fn(logits, mb["input_ids"], mb["response_len"], temperature, vocab_size)
 
 
 def _forward_step(precision: Precision, data_iterator, model):
@@ -277,6 +292,7 @@ def pipeline_logprobs(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     precision: Precision = contextlib.nullcontext,
+    logprobs_fn: LogprobsFn | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Forward-only: [(logp, entropy)] per micro-batch, each (b, response_len) fp32, on EVERY pipeline rank.
 
@@ -285,7 +301,7 @@ def pipeline_logprobs(
     """
 
     def collect(mb, output, non_loss_data=False):
-        logp, entropy = response_logprobs(mb, output, temperature, vocab_size)
+        logp, entropy = _score(logprobs_fn, mb, output, temperature, vocab_size)
         return {"logp": logp.detach(), "entropy": entropy.detach()}
 
     def forward_step(data_iterator, model):
@@ -350,3 +366,88 @@ def pipeline_loss_backward(
         group=parallel_state.get_pipeline_model_parallel_group(),
     )
     return float(loss), store
+
+
+def pipeline_forward_backward(
+    model: torch.nn.Module,
+    microbatches: list[dict],
+    loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+    temperature: float,
+    vocab_size: int | None,
+    logprobs_fn: LogprobsFn | None = None,
+    precision: Precision = contextlib.nullcontext,
+) -> tuple[list[dict[str, float]], list[torch.Tensor]]:
+    """Forward + backward of ``sum over micro-batches of loss_fn(mb, logp, entropy)`` through the schedule
+    (each loss already normalised for the whole mini-batch by the caller; the schedule divides a loss by the
+    number of micro-batches, so it is handed back multiplied by it). Returns each micro-batch's metrics and its
+    detached log-probs, broadcast from the last stage to every pipeline rank."""
+    stash: list[tuple[dict[str, float], torch.Tensor]] = []
+    count = len(microbatches)
+
+    def loss_func(mb, output):
+        logp, entropy = _score(logprobs_fn, mb, output, temperature, vocab_size)
+        loss, metrics = loss_fn(mb, logp, entropy)
+        stash.append(({**metrics, "loss_finite": float(torch.isfinite(loss))}, logp.detach()))
+        return loss * count, {}
+
+    def forward_step(data_iterator, model):
+        output, mb = _forward_step(precision, data_iterator, model)
+        return output, partial(loss_func, mb)
+
+    _run_schedule(model, microbatches, forward_step, precision, forward_only=False, collect_non_loss_data=False)
+    shapes = [(mb["input_ids"].shape[0], mb["response_len"]) for mb in microbatches]
+    logps = broadcast_from_last_stage([lp for _, lp in stash] if stash else None, shapes)
+    box = [[m for m, _ in stash]]
+    dist.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0], logps
+
+
+def pipeline_next_logits(model: torch.nn.Module) -> Callable:
+    """`fp8rl.models.generate`'s next-token logits through the stages: each stage runs its layers with its own
+    KV cache on the activations the previous stage sends; the last stage's (b, vocab) logits of the new
+    tokens' last position are broadcast to every stage, so every rank samples the same tokens."""
+    module = getattr(model, "module", model)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+
+    def next_logits(input_ids, position_ids, mask, ctx, vocab_size):
+        batch, q = input_ids.shape
+        dtype = activation_dtype(model, contextlib.nullcontext)
+        with cpu_schedule_shims():
+            if not first:
+                hidden = torch.empty(q, batch, module.config.hidden_size, dtype=dtype, device=input_ids.device)
+                dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank(), group=group)
+                module.set_input_tensor(hidden)
+            output = module(input_ids, position_ids, mask, inference_context=ctx, runtime_gather_output=True)
+            if not last:
+                dist.send(output.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank(), group=group)
+        width = module.vocab_size if vocab_size is None else vocab_size
+        logits = output[:, -1, :width].float().contiguous() if last else torch.empty(batch, width)
+        dist.broadcast(logits, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
+        return logits
+
+    return next_logits
+
+
+def pipeline_generate(model: torch.nn.Module, prompt_ids, prompt_mask, sampling, seeds):
+    """KV-cached sampling over the pipeline stages (`pipeline_next_logits`)."""
+    from fp8rl.models.generate import generate
+
+    return generate(model, prompt_ids, prompt_mask, sampling, seeds, next_logits=pipeline_next_logits(model))
+
+
+def gather_stages(model: torch.nn.Module, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole model's state from every stage's (TP-gathered) tensors, under the PP = 1 names, on every rank."""
+    module = getattr(model, "module", model)
+    offset, _ = stage_layer_range(module.config)
+    renamed = {global_key(key, offset): value.detach().cpu() for key, value in local.items()}
+    parts: list[dict[str, torch.Tensor] | None] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(parts, renamed, group=parallel_state.get_pipeline_model_parallel_group())
+    full: dict[str, torch.Tensor] = {}
+    for part in parts:
+        full.update(part or {})
+    return full

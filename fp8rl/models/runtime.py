@@ -6,7 +6,8 @@
    one-rank group over an in-process store (gloo on CPU, NCCL on GPU) when nothing started one;
 2. megatron's ``parallel_state`` with the run's layout (TP x PP, DP = world / (TP x PP));
 3. its RNG tracker, seeded from ``seed`` (on CPU a tracker over the CPU generator);
-4. on a CPU host, the shims of `fp8rl.models.cpu_compat` (megatron assumes CUDA in a few places).
+4. on a CPU host, the shims of `fp8rl.models.cpu_compat` (megatron assumes CUDA in a few places), and with
+   several ranks those of `fp8rl.models.distributed_compat` (Megatron DDP, its optimizers, TP linears).
 
 A second call with the same layout only re-seeds; another layout raises (megatron's groups exist once
 per process). Building a model (`fp8rl.models.gpt.build_gpt_model`) requires this and never does it
@@ -49,6 +50,10 @@ def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: in
         )
     if not torch.cuda.is_available():
         cpu_compat.apply_cpu_shims()
+        if dist.get_world_size() > 1:
+            from fp8rl.models.distributed_compat import apply_cpu_multirank_shims
+
+            apply_cpu_multirank_shims()
     seed_megatron_rng(seed)
 
 

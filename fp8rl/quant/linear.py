@@ -28,6 +28,7 @@ wgrad reads the forward's GEMM input of x, transposed, instead of widening the F
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,12 @@ from fp8rl.quant.recipes import Fp8Recipe, get_recipe
 from fp8rl.quant.tensor import Fp8Tensor, _check_finite, _is_pow2, block_amax, fp8_to_float, quantize
 
 _OUTER_SCALED = frozenset({"tensor", "row"})
+
+AmaxReduce = Callable[[str, torch.Tensor], torch.Tensor]
+"""``(role, local amax) -> amax to scale with``, for per-tensor ("tensor") scales only; role is "x" (activation),
+"w" (weight) or "dy" (output gradient), amax a 0-d float32 tensor. A caller whose GEMM operand is one shard of a
+larger tensor (tensor parallelism) passes e.g. an all-reduce MAX over its group, so the shard gets the scale of
+the whole tensor; this package stays free of torch.distributed."""
 
 
 @dataclass
@@ -106,15 +113,27 @@ _WEIGHT_CACHE = _WeightCache()
 
 
 def _quantize_operand(
-    t: torch.Tensor, granularity: str, fmt: str, recipe: Fp8Recipe, state: DelayedScalingState | None, role: str
+    t: torch.Tensor,
+    granularity: str,
+    fmt: str,
+    recipe: Fp8Recipe,
+    state: DelayedScalingState | None,
+    role: str,
+    amax_reduce: AmaxReduce | None = None,
 ) -> Fp8Tensor:
     """Quantize one GEMM operand (rows, reduction); delayed scaling reads and updates `state`."""
     if recipe.scaling != "delayed" or state is None:
-        return quantize(t, fmt, granularity, recipe.uses_pow2_scales)
+        if amax_reduce is None or granularity != "tensor":
+            return quantize(t, fmt, granularity, recipe.uses_pow2_scales)
+        local_amax = block_amax(t.reshape(-1, t.shape[-1]), "tensor")
+        _check_finite(local_amax, "raise")
+        return quantize(t, fmt, granularity, recipe.uses_pow2_scales, amax=amax_reduce(role, local_amax))
     fp8_max = get_format(fmt).max
     history_amax = state.scaling_amax(role, recipe.amax_compute_algo)
     current_amax = block_amax(t.reshape(-1, t.shape[-1]), "tensor")
     _check_finite(current_amax, "raise")  # before recording: a NaN must not poison the history
+    if amax_reduce is not None:
+        current_amax = amax_reduce(role, current_amax)
     state.record(role, current_amax)
     if history_amax is None or float(history_amax) == 0.0:
         scaling_amax = torch.tensor(fp8_max)  # TE's initial scale: 1.0
@@ -197,14 +216,16 @@ def _transposed_operand(
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias, recipe: Fp8Recipe, state, compute_dtype, out_dtype, wgrad_possible):
+    def forward(
+        ctx, x2d, weight, bias, recipe: Fp8Recipe, state, compute_dtype, out_dtype, wgrad_possible, amax_reduce
+    ):
         x_dtype = x2d.dtype
         with torch.autocast(x2d.device.type, enabled=False):
             act = recipe.activation_granularity
             x2d = _as_float32(x2d) if TRANSPOSED[act] != act else x2d  # quantized twice: convert once
-            qx = _quantize_operand(x2d, act, recipe.forward_format, recipe, state, "x")
+            qx = _quantize_operand(x2d, act, recipe.forward_format, recipe, state, "x", amax_reduce)
             x_input = gemm_input(qx, compute_dtype)
-            qw, w_input = _weight_operand(weight, recipe, transposed=False, state=state, compute_dtype=compute_dtype)
+            qw, w_input = _weight_operand(weight, recipe, False, state, compute_dtype, amax_reduce)
             y = _gemm(x_input, w_input, qx, qw, out_dtype if bias is None else torch.float32)
             if bias is not None:
                 y = (y + bias.float()).to(out_dtype)
@@ -220,7 +241,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # same FP8 weight (tensorwise: its transpose), as TE does, not a current-scaled requantization.
         delayed = recipe.scaling == "delayed" and state is not None
         ctx.w_delayed = (qw.t(), w_input.t()) if delayed else None
-        ctx.recipe, ctx.state, ctx.compute_dtype = recipe, state, compute_dtype
+        ctx.recipe, ctx.state, ctx.compute_dtype, ctx.amax_reduce = recipe, state, compute_dtype, amax_reduce
         return y
 
     @staticmethod
@@ -230,14 +251,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             grad, fmt = recipe.gradient_granularity, recipe.backward_format
             dy = _as_float32(dy) if TRANSPOSED[grad] != grad else dy
-            qdy = _quantize_operand(dy, grad, fmt, recipe, state, "dy")
+            qdy = _quantize_operand(dy, grad, fmt, recipe, state, "dy", ctx.amax_reduce)
             dy_input = gemm_input(qdy, compute_dtype)
             dx = dw = None
             if ctx.needs_input_grad[0]:
                 if ctx.w_delayed is not None:
                     qwt, wt_input = ctx.w_delayed
                 else:
-                    qwt, wt_input = _weight_operand(weight, recipe, True, None, compute_dtype)
+                    qwt, wt_input = _weight_operand(weight, recipe, True, None, compute_dtype, ctx.amax_reduce)
                 dx = _gemm(dy_input, wt_input, qdy, qwt, ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 qdyt, dyt_input = _transposed_operand(dy, qdy, dy_input, grad, fmt, recipe)
@@ -246,22 +267,37 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 xt_input = gemm_input(qxt, compute_dtype) if xt_input is None else xt_input
                 dw = _gemm(dyt_input, xt_input, qdyt, qxt, weight.dtype)
             db = dy.float().sum(0).to(weight.dtype) if ctx.needs_input_grad[2] else None
-        ctx.xt = ctx.w_delayed = None
-        return dx, dw, db, None, None, None, None, None
+        ctx.xt = ctx.w_delayed = ctx.amax_reduce = None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _weight_operand(
-    weight: torch.Tensor, recipe: Fp8Recipe, transposed: bool, state, compute_dtype: torch.dtype
+    weight: torch.Tensor,
+    recipe: Fp8Recipe,
+    transposed: bool,
+    state,
+    compute_dtype: torch.dtype,
+    amax_reduce: AmaxReduce | None = None,
 ) -> tuple[Fp8Tensor, torch.Tensor]:
-    """W (N, K) for fprop or W^T (K, N) for dgrad: quantized and as GEMM input, cached until W changes."""
+    """W (N, K) for fprop or W^T (K, N) for dgrad: quantized and as GEMM input, cached until W changes.
+
+    With `amax_reduce` (per-tensor scales) the local amax is cached with W and reduced on every call; the
+    FP8 copies are cached per reduced amax (another rank's shard may change while this one does not).
+    """
     granularity, fmt = recipe.weight_granularity, recipe.forward_format
     if recipe.scaling == "delayed" and state is not None:
-        qw = _quantize_operand(weight.detach(), granularity, fmt, recipe, state, "w")
+        qw = _quantize_operand(weight.detach(), granularity, fmt, recipe, state, "w", amax_reduce)
         return qw, gemm_input(qw, compute_dtype)
     cached = _WEIGHT_CACHE.values(weight)  # one bitwise check of W per call
     key = (granularity, fmt, recipe.uses_pow2_scales)
+    amax = None
+    if amax_reduce is not None and granularity == "tensor":
+        if "local_amax" not in cached:
+            cached["local_amax"] = block_amax(weight.detach(), "tensor")
+        amax = amax_reduce("w", cached["local_amax"])
+        key = (*key, float(amax))
     if (key, False) not in cached:
-        qw = quantize(weight.detach(), fmt, granularity, recipe.uses_pow2_scales)
+        qw = quantize(weight.detach(), fmt, granularity, recipe.uses_pow2_scales, amax=amax)
         cached[key, False] = qw
         cached[key, False, compute_dtype] = gemm_input(qw, compute_dtype)
     if (key, False, compute_dtype) not in cached:
@@ -285,6 +321,7 @@ def fp8_linear(
     bias: torch.Tensor | None,
     recipe: Fp8Recipe | str,
     state: DelayedScalingState | None = None,
+    amax_reduce: AmaxReduce | None = None,
 ) -> torch.Tensor:
     """A linear layer computed from FP8 operands in forward and backward.
 
@@ -294,6 +331,8 @@ def fp8_linear(
         bias: (out_features,) or None, added in high precision.
         recipe: an `Fp8Recipe` or a recipe name ("tensorwise", "rowwise", "blockwise", "mxfp8").
         state: amax histories for delayed scaling (required for `scaling="delayed"` to be stateful).
+        amax_reduce: per-tensor scales only: maps each operand's local amax to the amax to scale with
+            (see `AmaxReduce`); None = each tensor's own amax.
 
     Returns:
         (..., out_features) in the autocast dtype when autocast is on, else in x's dtype.
@@ -308,5 +347,7 @@ def fp8_linear(
     lead_shape = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     wgrad_possible = torch.is_grad_enabled()
-    y = _Fp8LinearFunction.apply(x2d, weight, bias, recipe, state, compute_dtype, out_dtype, wgrad_possible)
+    y = _Fp8LinearFunction.apply(
+        x2d, weight, bias, recipe, state, compute_dtype, out_dtype, wgrad_possible, amax_reduce
+    )
     return y.reshape(*lead_shape, weight.shape[0])

@@ -11,23 +11,25 @@ from collections.abc import Sequence
 
 import torch
 
-from fp8rl.models.generate import generate
 from fp8rl.models.gpt import compute_precision, fp8_autocast
 from fp8rl.models.kv_cache import fp8_kv_cache
 from fp8rl.models.logprobs import left_pad
+from fp8rl.models.policy import Layout, Policy
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutBatch
 
 
 class BuiltinEngine:
-    """Samples from `model` with the FP8 `recipe` (None = BF16) on its block linears, and an FP8 KV cache if asked."""
+    """Samples from the policy with the FP8 `recipe` (None = BF16) on its block linears, and an FP8 KV cache if
+    asked. `policy`: a `fp8rl.models.policy.Policy` (any parallel layout), or a plain one-process model."""
 
     name = "builtin"
 
     def __init__(
-        self, model: torch.nn.Module, recipe, pad_id: int, compute: str = "bf16", fp8_kv_cache: bool = False
+        self, policy: Policy | torch.nn.Module, recipe, pad_id: int, compute: str = "bf16", fp8_kv_cache: bool = False
     ) -> None:
-        self.model = model
+        self.policy = policy if isinstance(policy, Policy) else Policy(policy, None, Layout.current())
+        self.model = self.policy.module
         self.recipe = recipe
         self.pad_id = pad_id
         self.compute = compute
@@ -42,7 +44,7 @@ class BuiltinEngine:
             fp8_autocast(self.model, self.recipe),
             fp8_kv_cache(self.model, self.fp8_kv_cache),
         ):
-            out = generate(self.model, prompt_ids, prompt_mask, sampling, seeds)
+            out = self.policy.generate(prompt_ids, prompt_mask, sampling, seeds)
         return RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -52,9 +54,10 @@ class BuiltinEngine:
             rollout_entropy=out.entropy,
         )
 
-    def sync_weights(self, model: torch.nn.Module) -> float:
-        if model is not self.model:
-            raise ValueError("the built-in engine samples from the trainer's own model; pass that model")
+    def sync_weights(self, policy: Policy | torch.nn.Module) -> float:
+        """Nothing to copy: the engine samples from the trainer's own weights (refuses another model)."""
+        if policy is not self.policy and policy is not self.model:
+            raise ValueError("the built-in engine samples from the trainer's own model; pass that policy")
         return 0.0
 
 

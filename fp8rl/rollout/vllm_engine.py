@@ -78,8 +78,9 @@ from typing import Any
 import torch
 
 from fp8rl.models.config import ModelConfig
-from fp8rl.models.hf import hf_weights, save_hf_checkpoint
+from fp8rl.models.hf import hf_weights, iter_hf_tensors, local_names, save_hf_checkpoint
 from fp8rl.models.logprobs import left_pad
+from fp8rl.models.policy import Policy
 from fp8rl.models.runtime import require_megatron
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutBatch
@@ -465,8 +466,18 @@ class VllmEngine:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
         return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, rollout_logp, rollout_entropy)
 
-    def sync_weights(self, model: torch.nn.Module) -> float:
-        """Load ``model``'s current weights into the engine and reset its prefix cache; returns the seconds."""
+    def _hf_weights(self, model: torch.nn.Module | Policy):
+        """(HF name, tensor) pairs of the policy's whole current weights: views of a one-rank model's
+        tensors, or the shards gathered over TP and PP (`Policy.full_state_dict`)."""
+        if not isinstance(model, Policy):
+            return hf_weights(model, self.model_cfg)
+        if model.layout.tp == 1 and model.layout.pp == 1:
+            return hf_weights(model.module, self.model_cfg)
+        state = {k.removeprefix("module."): v for k, v in model.full_state_dict().items()}
+        return iter_hf_tensors(local_names(model.module, state), self.model_cfg)
+
+    def sync_weights(self, model: torch.nn.Module | Policy) -> float:
+        """Load the policy's current weights into the engine and reset its prefix cache; returns the seconds."""
         if self._asleep:
             if self.sleep_level == 2:
                 raise RuntimeError("the engine slept at level 2 (weights discarded): call wake_up(model)")
@@ -476,9 +487,9 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
         return time.perf_counter() - started
 
-    def _push_weights(self, model: torch.nn.Module) -> None:
+    def _push_weights(self, model: torch.nn.Module | Policy) -> None:
         with torch.no_grad():
-            weights = hf_weights(model, self.model_cfg)
+            weights = self._hf_weights(model)
             # HF names and layouts: vLLM fuses them its own way and re-runs the online FP8 quantization.
             kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
             self.llm.collective_rpc("reload_weights", kwargs=kwargs)

@@ -19,6 +19,7 @@ The trainer is handed a `Tracker`; the maths never imports this module.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -364,11 +365,13 @@ def read_wal(path: Path) -> list[dict[str, Any]]:
 
 
 def _max_logged_step(client: Any, run_id: str) -> int:
-    """The highest step MLflow holds for the run (over its first metrics; every step logs them all)."""
+    """The highest step MLflow holds for the run's own metrics (MLflow's system metrics count their own
+    samples, and evaluation metrics skip steps, so every key is read)."""
     run = client.get_run(run_id)
     steps = [-1]
-    for key in list(run.data.metrics)[:5]:
-        steps.extend(m.step for m in client.get_metric_history(run_id, key))
+    for key in run.data.metrics:
+        if not key.startswith("system/"):
+            steps.extend(m.step for m in client.get_metric_history(run_id, key))
     return max(steps)
 
 
@@ -378,7 +381,21 @@ def metric_name(key: str) -> str:
 
 
 def _spec_record(spec: RunSpec) -> dict[str, Any]:
-    return {"experiment": spec.experiment, "run_name": spec.run_name}
+    """The run's description as the WAL keeps it, so `fp8rl.tracking.sync` can create the run later (credentials
+    in the store's URI redacted; parameter values as text)."""
+    record = dataclasses.asdict(spec)
+    record["tracking_uri"] = redact(spec.tracking_uri)
+    record["params"] = {k: str(v) for k, v in spec.params.items()}
+    record["artifacts"] = [[str(Path(path).resolve()), folder] for path, folder in spec.artifacts]
+    return record
+
+
+def spec_from_record(record: dict[str, Any], tracking_uri: str) -> RunSpec:
+    """The RunSpec a WAL's start record describes, for the store at `tracking_uri`."""
+    fields = {f.name for f in dataclasses.fields(RunSpec)}
+    values = {k: v for k, v in record.items() if k in fields}
+    values["artifacts"] = [tuple(item) for item in values.get("artifacts", [])]
+    return RunSpec(**{**values, "tracking_uri": tracking_uri, "system_metrics": False})
 
 
 def _plain(metrics: Mapping[str, float]) -> dict[str, float]:

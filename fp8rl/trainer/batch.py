@@ -23,9 +23,14 @@ STEP_SEED_STRIDE = 1_000_003
 PROMPT_SALT, SAMPLE_SALT, SHUFFLE_SALT = 1, 2, 3
 
 
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """The seed of (run seed, step, salt): resumed runs draw exactly the same data."""
+    return seed * STEP_SEED_STRIDE + step * 7919 + salt
+
+
 def step_generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
-    """A generator that depends only on (seed, step, salt): resumed runs draw exactly the same data."""
-    return torch.Generator().manual_seed(seed * STEP_SEED_STRIDE + step * 7919 + salt)
+    """A torch generator that depends only on (seed, step, salt)."""
+    return torch.Generator().manual_seed(step_seed(seed, step, salt))
 
 
 def row_seeds(seed: int, step: int, round_: int, rows: range) -> list[int]:

@@ -9,6 +9,10 @@ Prompts and sampling noise are derived from (seed, step), so the step counter is
   optimizer and RNG states are such), so a file dropped into the folder cannot run code.
 - `latest_good_checkpoint` walks from the newest checkpoint back: a corrupt one is reported (naming the
   file and what is wrong), moved aside as ``*.corrupt`` (kept, never deleted) and the previous one is used.
+- A job of several ranks writes one file per rank: ``step_NNNNNN.rankRRRRR.pt`` for ranks 1.., each rank's
+  own state (its tensor/pipeline shard of the model, its optimizer shard), then rank 0's ``step_NNNNNN.pt``
+  last, after a barrier: the step's checkpoint exists only once every rank's file is complete. It resumes on
+  the same layout (``world_size`` is recorded in rank 0's file and checked).
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ class CorruptCheckpoint(RuntimeError):
     """A checkpoint file that fails its size or checksum check, or cannot be read."""
 
 
+class CheckpointLayoutMismatch(RuntimeError):
+    """A good checkpoint written by a job with another number of ranks."""
+
+
 def checkpoint_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
@@ -48,12 +56,13 @@ def _digest(path: Path) -> str:
     return sha.hexdigest()
 
 
-def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write `state` as checkpoint `step` (the number of completed steps); keep the `keep` newest."""
-    directory = checkpoint_dir(out_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{step:06d}.pt"
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+def shard_path(path: Path, rank: int) -> Path:
+    """Rank `rank`'s file of checkpoint `path` (rank 0's is `path` itself)."""
+    return path if rank == 0 else path.with_name(path.name.replace(".pt", f".rank{rank:05d}.pt"))
+
+
+def _write_atomically(path: Path, state: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)
     try:
         torch.save(state, tmp)
@@ -64,10 +73,35 @@ def save_checkpoint(out_dir: str | Path, step: int, state: dict[str, Any], keep:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
-        _sidecar(old).unlink(missing_ok=True)
+
+
+def save_checkpoint(
+    out_dir: str | Path, step: int, state: dict[str, Any], keep: int = 2, rank: int = 0, world_size: int = 1
+) -> Path:
+    """Write `state` as checkpoint `step` (the number of completed steps); keep the `keep` newest.
+
+    With several ranks every rank calls this with its own state; rank 0's file is written last."""
+    import torch.distributed as dist
+
+    directory = checkpoint_dir(out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{step:06d}.pt"
+    if rank > 0:
+        _write_atomically(shard_path(path, rank), state)
+    if world_size > 1:
+        dist.barrier()
+    if rank == 0:
+        _write_atomically(path, {**state, "world_size": world_size})
+        for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
+            for r in range(_world_size_of(old)):
+                shard_path(old, r).unlink(missing_ok=True)
+                _sidecar(shard_path(old, r)).unlink(missing_ok=True)
     return path
+
+
+def _world_size_of(path: Path) -> int:
+    """How many rank files checkpoint `path` has (counted on disk, so a corrupt rank-0 file is no obstacle)."""
+    return 1 + len(list(path.parent.glob(path.name.replace(".pt", ".rank*.pt"))))
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
@@ -108,19 +142,30 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CorruptCheckpoint(f"{path} cannot be read safely: {err}") from err
 
 
-def latest_good_checkpoint(out_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """(path, state) of the newest checkpoint that verifies; corrupt newer ones are moved aside, with a
-    message naming each. None when there is no checkpoint at all; CorruptCheckpoint when none is good."""
+def latest_good_checkpoint(out_dir: str | Path, world_size: int = 1) -> tuple[Path, dict[str, Any]] | None:
+    """(path, rank 0's state) of the newest checkpoint that verifies (every rank's file, when it has several);
+    corrupt newer ones are moved aside, with a message naming each. None when there is no checkpoint at all;
+    CorruptCheckpoint when none is good."""
     checkpoints = list_checkpoints(out_dir)
     problems = []
     for path in reversed(checkpoints):
         try:
-            return path, load_checkpoint(path)
+            for rank in range(1, _world_size_of(path)):
+                verify_checkpoint(shard_path(path, rank))
+            state = load_checkpoint(path)
         except CorruptCheckpoint as err:
             problems.append(str(err))
             aside = path.with_name(path.name + ".corrupt")
             os.replace(path, aside)
             log.error("%s; moved it to %s and trying the previous checkpoint", err, aside.name)
+            continue
+        saved_world = int(state.get("world_size", 1))
+        if saved_world != world_size:
+            raise CheckpointLayoutMismatch(
+                f"{path} was written by {saved_world} rank(s), this job has {world_size}: resume with the "
+                "layout it was saved with (same world size and parallel.* settings), or use trainer.resume=false"
+            )
+        return path, state
     if problems:
         raise CorruptCheckpoint(
             f"no good checkpoint in {checkpoint_dir(out_dir)}: "

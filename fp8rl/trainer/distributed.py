@@ -63,6 +63,14 @@ class DataParallel:
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([part[: int(n)] for part, n in zip(parts, lengths, strict=True)]).to(tensor.device)
 
+    def all_gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's `value` (picklable), in rank order."""
+        if self.size == 1:
+            return [value]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
     def _all_reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
         out = tensor.detach().clone()
         if self.size > 1:

@@ -6,6 +6,9 @@ samples at ``eval.temperature`` / ``eval.top_p`` give Avg@k (mean reward) and Pa
 with at least one right answer), as the paper reports AIME. Sampling seeds are fixed per (problem, sample)
 and never change between evaluations, so successive evaluations differ only by the weights.
 
+Data-parallel ranks split each set's (problem, sample) rows and gather the per-row results, so the numbers
+do not depend on the layout.
+
 Metrics, for each set S: ``eval/S/avg_at_k`` (Avg@k), ``eval/S/pass_at_k`` (Pass@k; MLflow metric names
 cannot hold "@"), ``eval/S/garbled_rate``, ``eval/S/response_len``, ``eval/S/entropy``; over the sets:
 ``eval/accuracy`` (the mean of the sets' Avg@k: the headline number), ``eval/garbled_rate``,
@@ -20,10 +23,12 @@ import statistics
 import torch
 
 from fp8rl.config import EvalConfig
+from fp8rl.models.policy import Policy
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutEngine
 from fp8rl.rollout.builtin import BuiltinEngine
-from fp8rl.tasks.base import Problem, Task, garble_metrics
+from fp8rl.tasks.base import Problem, Task
+from fp8rl.trainer.distributed import SINGLE, DataParallel
 
 EVAL_SEED = 20_240_611  # base of the fixed per-(problem, sample) sampling seeds
 ROWS_PER_CALL = 512  # prompts per generate call
@@ -36,17 +41,17 @@ class Evaluator:
         self,
         task: Task,
         engine: RolloutEngine,
-        model: torch.nn.Module,
+        policy: Policy,
         sampling: SamplingConfig,
         cfg: EvalConfig,
-        device: torch.device | str = "cpu",
+        dp: DataParallel = SINGLE,
     ) -> None:
-        self.task, self.engine, self.cfg = task, engine, cfg
+        self.task, self.engine, self.cfg, self.dp = task, engine, cfg, dp
         if cfg.samples == 1:
             self.sampling = dataclasses.replace(sampling, temperature=0.0)
         else:
             self.sampling = dataclasses.replace(sampling, temperature=cfg.temperature, top_p=cfg.top_p)
-        self.bf16_engine = BuiltinEngine(model, None, sampling.pad_token_id) if cfg.bf16 else None
+        self.bf16_engine = BuiltinEngine(policy, None, sampling.pad_token_id, compute="bf16") if cfg.bf16 else None
 
     def run(self) -> dict[str, float]:
         """All evaluation metrics (in the rollout engine's precision, and in BF16 when asked)."""
@@ -68,24 +73,27 @@ class Evaluator:
     def _evaluate_set(self, engine: RolloutEngine, problems: list[Problem]) -> dict[str, float]:
         k = self.cfg.samples
         rows = [p for p in problems for _ in range(k)]
-        seeds = None if k == 1 else [EVAL_SEED + i for i in range(len(rows))]
-        rewards, reasons, lengths, entropy_sum, tokens = [], [], [], 0.0, 0
-        for start in range(0, len(rows), ROWS_PER_CALL):
-            chunk = rows[start : start + ROWS_PER_CALL]
-            chunk_seeds = None if seeds is None else seeds[start : start + ROWS_PER_CALL]
-            batch = engine.generate([self.task.prompt_ids(p) for p in chunk], self.sampling, chunk_seeds)
+        mine = range(len(rows) * self.dp.rank // self.dp.size, len(rows) * (self.dp.rank + 1) // self.dp.size)
+        rewards, garbled, lengths, entropy_sum, tokens = [], [], [], 0.0, 0
+        for start in range(mine.start, mine.stop, ROWS_PER_CALL):
+            indices = range(start, min(start + ROWS_PER_CALL, mine.stop))
+            chunk = [rows[i] for i in indices]
+            seeds = None if k == 1 else [EVAL_SEED + i for i in indices]
+            batch = engine.generate([self.task.prompt_ids(p) for p in chunk], self.sampling, seeds)
             responses = batch.responses()
             rewards += self.task.rewards(chunk, responses)
-            reasons += [self.task.garble_reason(r) for r in responses]
+            garbled += [float(self.task.garble_reason(r) is not None) for r in responses]
             mask = batch.response_mask
             lengths += mask.sum(1).tolist()
             entropy_sum += float((batch.rollout_entropy * mask).sum())
             tokens += int(mask.sum())
-        per_problem = torch.tensor(rewards).view(len(problems), k)
+        gather = self.dp.gather_1d
+        per_problem = gather(torch.tensor(rewards, dtype=torch.float64)).view(len(problems), k)
+        entropy_and_tokens = self.dp.sum(torch.tensor([entropy_sum, tokens], dtype=torch.float64))
         return {
             f"avg_at_{k}": float(per_problem.mean()),
             f"pass_at_{k}": float((per_problem > 0).any(dim=1).float().mean()),
-            "garbled_rate": garble_metrics(reasons)["rollout/garbled_rate"],
-            "response_len": statistics.fmean(lengths),
-            "entropy": entropy_sum / max(tokens, 1),
+            "garbled_rate": float(gather(torch.tensor(garbled, dtype=torch.float64)).mean()),
+            "response_len": float(gather(torch.tensor(lengths, dtype=torch.float64)).mean()),
+            "entropy": float(entropy_and_tokens[0] / entropy_and_tokens[1].clamp(min=1)),
         }

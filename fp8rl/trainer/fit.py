@@ -62,7 +62,8 @@ def fit(
     cfg = trainer.cfg
     summary = RunSummary(run_id=tracker.run_id, steps_done=trainer.step, final_eval={}, out_dir=out_dir)
     log_seconds = None
-    if trainer.step == 0 and tracker.last_logged_step() < 0:
+    rank, world_size = _rank_and_world()
+    if _same_on_every_rank(trainer.step == 0 and tracker.last_logged_step() < 0):
         evaluation = trainer.dp.mean_of_floats(trainer.evaluate())
         log_started = time.perf_counter()
         _log(tracker, summary, evaluation, 0)
@@ -96,7 +97,7 @@ def fit(
                 )
             if result.good and _checkpoint_due(cfg, trainer.step):
                 state = {**trainer.state_dict(), **(meta or {})}
-                ckpt.save_checkpoint(out_dir, trainer.step, state, cfg.trainer.keep_checkpoints)
+                ckpt.save_checkpoint(out_dir, trainer.step, state, cfg.trainer.keep_checkpoints, rank, world_size)
     summary.steps_done = trainer.step
     last = summary.history[-1] if summary.history else {}
     summary.final_eval = {k: v for k, v in last.items() if k.startswith("eval/")}
@@ -117,6 +118,23 @@ def step_line(step: int, total: int, metrics: dict[str, float], seconds_per_step
         parts.append("NON-FINITE: rolled back")
     parts.append(f"{seconds_per_step:.2f} s/step")
     return " | ".join(parts)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _same_on_every_rank(decision: bool) -> bool:
+    """Rank 0's `decision` (only rank 0 has the tracker), so every rank takes the same collective path."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return decision
+    box = [decision]
+    dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
 
 
 def _log_histograms(tracker: Tracker, result: StepResult) -> None:

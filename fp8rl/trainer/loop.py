@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,12 +18,12 @@ import torch
 from fp8rl import algos
 from fp8rl.config import RunConfig
 from fp8rl.models.gpt import fp8_switchable_linears
-from fp8rl.models.logprobs import token_logprobs_and_entropy
+from fp8rl.models.policy import Policy, unwrapped
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.quant import DelayedScalingState
 from fp8rl.rollout.base import RolloutBatch, RolloutEngine
 from fp8rl.tasks.base import Task
-from fp8rl.trainer.batch import SHUFFLE_SALT, StepBatch, StepSampler, step_generator
+from fp8rl.trainer.batch import SHUFFLE_SALT, StepBatch, StepSampler, step_seed
 from fp8rl.trainer.distributed import SINGLE, DataParallel
 from fp8rl.trainer.evaluation import Evaluator
 from fp8rl.trainer.optim import PolicyOptimizer
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 class Parts:
     """What the job builds and the trainer runs on."""
 
-    policy: torch.nn.Module  # the trained model (fp32 masters; Megatron DDP-wrapped on the GPU path)
+    policy: Policy  # this rank's part of the trained model (fp32 masters; its module Megatron-DDP-wrapped)
     optimizer: PolicyOptimizer
     engine: RolloutEngine
     task: Task
@@ -45,6 +47,7 @@ class Parts:
     reference: torch.nn.Module | None = None  # frozen start policy for the KL penalty (algo.kl_coef > 0)
     dp: DataParallel = SINGLE
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    micro_batch_size: int | None = None  # pipeline parallelism: sequences per micro-batch (None: one per mini-batch)
 
 
 @dataclass
@@ -59,31 +62,32 @@ class RLTrainer:
 
     def __init__(self, parts: Parts, cfg: RunConfig) -> None:
         self.parts, self.cfg = parts, cfg
-        self.model = parts.policy
+        self.policy = parts.policy
+        self.model = parts.policy.module
         self.task, self.engine, self.sampling = parts.task, parts.engine, parts.sampling
         self.clip_policy, self.plan, self.dp = parts.clip_policy, parts.plan, parts.dp
         self.policy_loss = algos.get_policy_loss(cfg.algo.policy_loss)
         self.sampler = StepSampler(self.task, self.engine, self.sampling, cfg.algo, cfg.trainer.seed, self.dp)
-        self.evaluator = Evaluator(self.task, self.engine, self.model, self.sampling, cfg.eval, parts.device)
+        self.evaluator = Evaluator(self.task, self.engine, self.policy, self.sampling, cfg.eval, self.dp)
         self.step = 0
         self.bad_steps_in_a_row = 0
         self.model.train()
 
     # ------------------------------------------------------------------------------------------- log-probs
     def logprobs(
-        self, batch: RolloutBatch, recipe, grad: bool, model: torch.nn.Module | None = None
+        self, batch: RolloutBatch, recipe, grad: bool = False, policy: Policy | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token (log-prob, entropy) of the batch's responses, (rows, response_len), in `recipe` (None = BF16)."""
-        model = model or self.model
-        context = torch.enable_grad() if grad else torch.no_grad()
-        with context, running_in(model, recipe):
-            return token_logprobs_and_entropy(
-                model,
+        """Per-token (log-prob, entropy) of the batch's responses, (rows, response_len), in `recipe` (None = BF16),
+        on every rank."""
+        policy = policy or self.policy
+        with running_in(policy.module, recipe, self.plan.compute):
+            return policy.logprobs(
                 batch.input_ids,
                 batch.attention_mask,
                 batch.response_ids.shape[1],
                 self.sampling.temperature,
                 self.sampling.vocab_size,
+                grad=grad,
             )
 
     def wants_shadow(self, step: int) -> bool:
@@ -114,7 +118,7 @@ class RLTrainer:
             shadow.record_old(data.rollout)
         reference_logp = None
         if self.parts.reference is not None:
-            reference_logp = self.logprobs(data.rollout, None, grad=False, model=self.parts.reference)[0]
+            reference_logp = self.logprobs(data.rollout, None, policy=self.parts.reference)[0]
 
         t = time.perf_counter()
         snapshot = self._snapshot()
@@ -127,7 +131,7 @@ class RLTrainer:
             if self.cfg.trainer.log_ratio_histograms and shadow.has_tokens:
                 histograms.append(ratio_histogram(step, *shadow.pooled()))
         shadow_time = shadow.seconds if shadow is not None else 0.0
-        timings["time/weight_push"] = self.engine.sync_weights(self.model)
+        timings["time/weight_push"] = self.engine.sync_weights(self.policy)
         timings["time/update"] = time.perf_counter() - t - shadow_time - timings["time/weight_push"]
         timings["time/shadow"] = shadow_time
         timings["time/step"] = time.perf_counter() - started
@@ -142,12 +146,24 @@ class RLTrainer:
         return float(totals[0] / totals[1].clamp(min=1))
 
     def minibatches(self, rows: int, epoch_seed: int) -> list[torch.Tensor]:
-        """Row indices of each mini-batch (this rank's rows): whole groups, shuffled by a (seed, step)-fixed
-        generator."""
-        group = self.cfg.algo.group_size
-        order = torch.randperm(rows // group, generator=step_generator(self.cfg.trainer.seed, epoch_seed, SHUFFLE_SALT))
-        indices = (order[:, None] * group + torch.arange(group)).reshape(-1)
-        return list(indices.chunk(self.cfg.algo.num_minibatches))
+        """Row indices (this rank's rows) of each mini-batch: whole groups, stratified by a (seed, step)-fixed
+        generator. The step's groups, in global order, form blocks of ``algo.num_minibatches``; each block
+        sends one group, drawn at random, to each mini-batch. A group's mini-batch depends on its global index
+        only, so the mini-batches are the same whatever the data-parallel layout (and balanced over ranks
+        when each rank's groups fill whole blocks)."""
+        group, count = self.cfg.algo.group_size, self.cfg.algo.num_minibatches
+        local_groups = rows // group
+        first = self.dp.rank * local_groups
+        rng = random.Random(step_seed(self.cfg.trainer.seed, epoch_seed, SHUFFLE_SALT))
+        blocks = -(-local_groups * self.dp.size // count)
+        assignment = [m for _ in range(blocks) for m in rng.sample(range(count), count)]  # global group -> mini-batch
+        mine = assignment[first : first + local_groups]
+        out = []
+        for m in range(count):
+            rows_of_m = [g * group + i for g, owner in enumerate(mine) if owner == m for i in range(group)]
+            if rows_of_m:
+                out.append(torch.tensor(rows_of_m, dtype=torch.long))
+        return out
 
     def update(
         self,
@@ -158,24 +174,24 @@ class RLTrainer:
         reference_logp: torch.Tensor | None,
     ) -> tuple[dict[str, float], bool]:
         """PPO mini-batch updates; returns (mean metrics, whether every update was finite)."""
-        a = self.cfg.algo
         collected: list[dict[str, float]] = []
         loss_mask = data.loss_mask
         updates_done = 0
-        for epoch in range(a.ppo_epochs):
+        for epoch in range(self.cfg.algo.ppo_epochs):
             for rows in self.minibatches(data.adv.shape[0], step * 131 + epoch):
                 rows = rows.to(self.parts.device)
                 mb, mb_mask = data.rollout.select(rows), loss_mask[rows]
-                if not bool(mb_mask.any()):  # DAPO dropped every group here: no loss, no step, no metrics
+                if float(self.dp.sum(mb_mask.sum().double().cpu())) == 0:  # DAPO dropped every group: no step
                     continue
-                logp, entropy = self.logprobs(mb, self.plan.train_recipe, grad=True)
                 ratio_ref = None
                 if shadow is not None and updates_done >= 1:  # after an update: pi_theta != pi_old
-                    ratio_ref = shadow.compare(mb, rows, logp.detach(), old_logp[rows], data.adv[rows], mb_mask)
+                    ratio_ref = shadow.bf16_ratio(mb, rows)
                 reference = None if reference_logp is None else reference_logp[rows]
-                metrics, good = self.minibatch_update(
-                    mb, mb_mask, logp, entropy, old_logp[rows], data.adv[rows], ratio_ref, reference
+                metrics, logp, good = self.minibatch_update(
+                    mb, mb_mask, old_logp[rows], data.adv[rows], ratio_ref, reference
                 )
+                if ratio_ref is not None and good:
+                    shadow.add(ratio_ref, torch.exp(logp - old_logp[rows]), data.adv[rows], mb_mask)
                 collected.append(metrics)
                 updates_done += 1
                 if not good:
@@ -184,66 +200,124 @@ class RLTrainer:
             return {"train/empty_batch": 1.0}, True
         return _mean_metrics(collected), True
 
-    def minibatch_update(self, mb, mask, logp, entropy, old_logp, adv, ratio_ref, reference_logp):
-        """One optimizer step on one mini-batch; returns (metrics, whether it was finite and applied)."""
-        a, c = self.cfg.algo, self.cfg.clipping
-        low, high = self.clip_policy.bounds
-        ref_low, ref_high = algos.standard_bounds(a.eps_low, a.eps_high)
-        loss, metrics = self.policy_loss(
-            logp,
-            old_logp,
-            adv,
-            mask,
-            clip_low=low,
-            clip_high=high,
-            agg=a.loss_agg,
-            rollout_logp=mb.rollout_logp,
-            rollout_correction=c.rollout_correction,
-            tis_cap=c.tis_cap,
-            mis_low=c.mis_low,
-            mis_high=c.mis_high,
-            ratio_ref=ratio_ref,
-            ref_clip_low=ref_low,
-            ref_clip_high=ref_high,
-            **({"dual_clip_c": a.dual_clip_c} if a.policy_loss == "dual_clip" else {}),
-        )
-        if reference_logp is not None:
-            kl, kl_metrics = algos.kl_loss(logp, reference_logp, mask, kind=a.kl_type, agg=a.loss_agg)
-            loss = loss + a.kl_coef * kl
-            metrics.update(kl_metrics)
-        if a.entropy_coef:
-            loss = loss - a.entropy_coef * algos.aggregate_loss(entropy, mask, a.loss_agg)
-        out = algos.metrics_to_floats(metrics)
-        out["actor/loss"] = float(loss.detach())
-        out["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+    def minibatch_update(self, mb, mask, old_logp, adv, ratio_ref, reference_logp):
+        """One optimizer step on this rank's share of a mini-batch, with the loss normalised over the whole
+        global mini-batch. Returns (metrics, detached log-probs (rows, response_len), whether it was applied)."""
+        a = self.cfg.algo
+        denominator = self._global_denominator(mb, mask, old_logp)
+        micro = self._micro_batches(mb, mask, old_logp, adv, ratio_ref, reference_logp)
+        loss_fn = partial(self._loss, denominator=denominator)
         self.parts.optimizer.zero_grad()
-        if not torch.isfinite(loss):
-            out["train/nonfinite"] = 1.0
-            return out, False
         try:
-            loss.backward()
+            with running_in(self.model, self.plan.train_recipe, self.plan.compute):
+                parts_metrics, logps = self.policy.forward_backward(
+                    micro, loss_fn, self.sampling.temperature, self.sampling.vocab_size
+                )
         except ValueError as err:  # FP8 quantization met NaN/Inf in a gradient
             log.warning("step %d: non-finite FP8 gradient (%s); the step is rolled back", self.step, err)
-            out["train/nonfinite"] = 1.0
             self.parts.optimizer.zero_grad()
-            return out, False
+            return {"train/nonfinite": 1.0}, None, False
+        logp = torch.cat(logps)[_inverse(micro)]
+        finite = all(m.pop("loss_finite", 1.0) == 1.0 for m in parts_metrics)
+        out = combine_shares(self.dp.all_gather_objects(combine_shares(parts_metrics)))
+        if not finite:
+            self.parts.optimizer.zero_grad()
+            out["train/nonfinite"] = 1.0
+            return out, logp, False
         grad_norm, applied = self.parts.optimizer.clip_and_step(a.grad_clip)
         out["actor/grad_norm"] = float(grad_norm)
         if not applied:
             out["train/nonfinite"] = 1.0
-        return out, applied
+        return out, logp, applied
+
+    def _global_denominator(self, mb: RolloutBatch, mask: torch.Tensor, old_logp: torch.Tensor) -> float:
+        """The loss normaliser of the whole mini-batch over all data-parallel ranks (after MIS rejection, which
+        removes tokens from the loss)."""
+        c, a = self.cfg.clipping, self.cfg.algo
+        options = {"tis_cap": c.tis_cap, "mis_low": c.mis_low, "mis_high": c.mis_high}
+        corrected = algos.apply_rollout_correction(old_logp, mb.rollout_logp, mask, c.rollout_correction, **options)
+        local = algos.aggregation_count(corrected.response_mask, a.loss_agg)
+        return float(self.dp.sum(torch.tensor(local, dtype=torch.float64)))
+
+    def _micro_batches(self, mb, mask, old_logp, adv, ratio_ref, reference_logp) -> list[dict[str, Any]]:
+        """The mini-batch's micro-batches (pipeline parallelism) as dicts; one without it."""
+        rows = mb.response_ids.shape[0]
+        size = self.parts.micro_batch_size or rows
+        items = []
+        for start in range(0, rows, size):
+            index = torch.arange(start, min(start + size, rows), device=mask.device)
+            part = mb.select(index)
+            items.append(
+                {
+                    "rows": index,
+                    "input_ids": part.input_ids,
+                    "attention_mask": part.attention_mask,
+                    "response_len": part.response_ids.shape[1],
+                    "mask": mask[index],
+                    "old_logp": old_logp[index],
+                    "adv": adv[index],
+                    "rollout_logp": part.rollout_logp,
+                    "ratio_ref": None if ratio_ref is None else ratio_ref[index],
+                    "reference_logp": None if reference_logp is None else reference_logp[index],
+                }
+            )
+        return items
+
+    def _loss(self, mb: dict[str, Any], logp: torch.Tensor, entropy: torch.Tensor, denominator: float):
+        """The policy loss (+ KL penalty, entropy bonus) of one micro-batch, normalised by `denominator` (the
+        global mini-batch's). Returns (loss, float metrics)."""
+        a, c = self.cfg.algo, self.cfg.clipping
+        low, high = self.clip_policy.bounds
+        ref_low, ref_high = algos.standard_bounds(a.eps_low, a.eps_high)
+        mask = mb["mask"]
+        # The loss is this rank's share of the global loss; Megatron DDP averages gradients over DP ranks.
+        scale = self.dp.size if self.parts.optimizer.averages_over_data_parallel else 1
+        loss, metrics = self.policy_loss(
+            logp,
+            mb["old_logp"],
+            mb["adv"],
+            mask,
+            clip_low=low,
+            clip_high=high,
+            agg=a.loss_agg,
+            agg_denominator=denominator,
+            rollout_logp=mb["rollout_logp"],
+            rollout_correction=c.rollout_correction,
+            tis_cap=c.tis_cap,
+            mis_low=c.mis_low,
+            mis_high=c.mis_high,
+            ratio_ref=mb["ratio_ref"],
+            ref_clip_low=ref_low,
+            ref_clip_high=ref_high,
+            **({"dual_clip_c": a.dual_clip_c} if a.policy_loss == "dual_clip" else {}),
+        )
+        if mb["reference_logp"] is not None:
+            kl, kl_metrics = algos.kl_loss(
+                logp, mb["reference_logp"], mask, kind=a.kl_type, agg=a.loss_agg, denominator=denominator
+            )
+            loss = loss + a.kl_coef * kl
+            metrics.update(kl_metrics)
+        if a.entropy_coef:
+            loss = loss - a.entropy_coef * algos.aggregate_loss(entropy, mask, a.loss_agg, denominator=denominator)
+        out = algos.metrics_to_floats(metrics)
+        out["actor/loss"] = float(loss.detach())
+        out["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+        out["train/tokens"] = float(mask.sum())
+        return loss * scale, out
 
     # ------------------------------------------------------------------------------------------- rollback
     def _snapshot(self) -> dict[str, Any]:
         """Weights, optimizer and FP8 scaling state before a step's updates (restored if one is non-finite)."""
         return {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items() if torch.is_tensor(v)},
+            "model": {
+                k: v.detach().clone() for k, v in unwrapped(self.model).state_dict().items() if torch.is_tensor(v)
+            },
             "optimizer": _clone_tree(self.parts.optimizer.state_dict()),
             "fp8_delayed_scaling": self._delayed_scaling_states(),
         }
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
-        self.model.load_state_dict(snapshot["model"], strict=False)
+        unwrapped(self.model).load_state_dict(snapshot["model"], strict=False)
         self.parts.optimizer.load_state_dict(snapshot["optimizer"])
         self._load_delayed_scaling_states(snapshot["fp8_delayed_scaling"])
 
@@ -252,7 +326,7 @@ class RLTrainer:
         """Everything a resumed run needs to continue bit for bit (tensors and plain containers only)."""
         return {
             "step": self.step,
-            "model": self.model.state_dict(),
+            "model": unwrapped(self.model).state_dict(),
             "optimizer": self.parts.optimizer.state_dict(),
             "clip_policy": self.clip_policy.state_dict(),
             "bad_steps_in_a_row": self.bad_steps_in_a_row,
@@ -262,7 +336,7 @@ class RLTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing, unexpected = unwrapped(self.model).load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -271,7 +345,7 @@ class RLTrainer:
         self.bad_steps_in_a_row = int(state["bad_steps_in_a_row"])
         torch.set_rng_state(state["torch_rng"])
         self._load_delayed_scaling_states(state.get("fp8_delayed_scaling", []))
-        self.engine.sync_weights(self.model)
+        self.engine.sync_weights(self.policy)
 
     def _delayed_scaling_states(self) -> list[dict | None]:
         """Amax histories of every FP8 linear (delayed scaling), in module order."""
@@ -300,6 +374,39 @@ def _clone_tree(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_clone_tree(v) for v in value)
     return value
+
+
+LOSS_KEYS = ("actor/pg_loss", "actor/loss", "actor/kl_loss")  # shares of one global loss: summed over ranks
+
+
+def _inverse(micro: list[dict[str, Any]]) -> torch.Tensor:
+    """The permutation that puts the micro-batches' concatenated rows back in the mini-batch's order."""
+    order = torch.cat([m["rows"] for m in micro])
+    return torch.argsort(order)
+
+
+def combine_shares(items: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of a whole mini-batch from those of its shares (micro-batches, data-parallel ranks): loss
+    shares and token counts summed, per-token statistics weighted by tokens, ``p`` ratios recomputed from the
+    combined sign contributions. Ratio quantiles become token-weighted means of the shares' quantiles (an
+    approximation: exact with one share)."""
+    if len(items) == 1:
+        return dict(items[0])
+    weights = [m.get("train/tokens", 1.0) for m in items]
+    total = math.fsum(weights) or 1.0
+    out = {}
+    for key in dict.fromkeys(k for m in items for k in m):
+        values = [(m[key], w) for m, w in zip(items, weights, strict=True) if key in m]
+        if key in LOSS_KEYS or key == "train/tokens":
+            out[key] = math.fsum(v for v, _ in values)
+        else:
+            out[key] = math.fsum(v * w for v, w in values) / total
+    for key in [k for k in out if k.endswith("contrib_pos")]:
+        prefix = key.removesuffix("contrib_pos")
+        if prefix + "contrib_neg" in out and prefix + "p" in out:
+            negative = out[prefix + "contrib_neg"]
+            out[prefix + "p"] = out[key] / negative if negative else 0.0
+    return out
 
 
 def _mean_metrics(items: list[dict[str, float]]) -> dict[str, float]:

@@ -37,11 +37,11 @@ def recipe_of(cfg: PrecisionConfig) -> Fp8Recipe:
 
 def plan_precision(cfg: PrecisionConfig) -> PrecisionPlan:
     if cfg.mode == "bf16":
-        return PrecisionPlan(None, None)
+        return PrecisionPlan(None, None, cfg.compute)
     recipe = recipe_of(cfg)
     if cfg.mode == "fp8_rollout":
-        return PrecisionPlan(recipe, None)
-    return PrecisionPlan(recipe, recipe)
+        return PrecisionPlan(recipe, None, cfg.compute)
+    return PrecisionPlan(recipe, recipe, cfg.compute)
 
 
 @contextlib.contextmanager

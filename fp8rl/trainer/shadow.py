@@ -52,26 +52,19 @@ class ShadowComparison:
         self._old_ref, _ = self.trainer.logprobs(batch, None, grad=False)
         self.seconds += time.perf_counter() - started
 
-    def compare(
-        self,
-        mb: RolloutBatch,
-        rows: torch.Tensor,
-        logp_fp8: torch.Tensor,
-        old_logp_fp8: torch.Tensor,
-        adv: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """BF16 ratio (rows, response_len) of a post-update mini-batch; pools its masked tokens."""
+    def bf16_ratio(self, mb: RolloutBatch, rows: torch.Tensor) -> torch.Tensor:
+        """The BF16 ratio pi_theta / pi_old (rows, response_len) of a post-update mini-batch."""
         started = time.perf_counter()
-        ref_logp, _ = self.trainer.logprobs(mb, None, grad=False)
+        ref_logp, _ = self.trainer.logprobs(mb, None)
         self.seconds += time.perf_counter() - started
-        ratio_ref = torch.exp(ref_logp - self._old_ref[rows])
-        ratio_fp8 = torch.exp(logp_fp8 - old_logp_fp8)
+        return torch.exp(ref_logp - self._old_ref[rows])
+
+    def add(self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> None:
+        """Pool a mini-batch's masked tokens: BF16 and FP8 ratios (rows, response_len), advantages (rows,)."""
         selected = mask.bool()
         self._pool.ratio_ref.append(ratio_ref[selected].float().cpu())
         self._pool.ratio_fp8.append(ratio_fp8[selected].float().cpu())
         self._pool.adv.append(algos.broadcast_to_tokens(adv, mask)[selected].float().cpu())
-        return ratio_ref
 
     @property
     def has_tokens(self) -> bool:

@@ -147,3 +147,35 @@ def _slurm_job_of(digest: str) -> str:
 def _sacct_states(job_id: str) -> str:
     cmd = ["sacct", "-j", job_id, "-D", "-X", "-n", "-o", "State"]
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.timeout(1200)
+def test_a_two_rank_cpu_job_on_slurm_trains_on_both_tasks_and_logs_one_run(
+    mlflow_server: MlflowServer, tmp_path: Path, warmstart_dir: Path
+) -> None:
+    """One Slurm job of two tasks (``tasks_per_node=2``): two gloo ranks, one MLflow run, each step logged once,
+    and the per-step log line in the job's output."""
+    req = SweepRequest(
+        points=[["precision=bf16"]],
+        overrides=tiny_overrides(warmstart_dir, steps=3),
+        launcher="slurm",
+        profile="local",
+        launcher_overrides={"timeout_min": 20, "tasks_per_node": 2, "cpus_per_task": 1},
+        name=f"it2rank-{tmp_path.name}",
+        root=tmp_path / "runs",
+        tracking_uri=mlflow_server.uri,
+        wait=True,
+        timeout_s=1000,
+    )
+    _prewarm(req)
+    report = run_sweep(req)
+    assert [r.error for r in report.runs] == [None]
+    client = mlflow_runs.client(mlflow_server.uri)
+    exp_id = client.get_experiment_by_name(req.name).experiment_id
+    (child,) = mlflow_runs.child_runs(client, exp_id)
+    assert child.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(child.info.run_id, "rollout/reward")] == [1, 2, 3]
+    outputs = list((tmp_path / "runs").rglob("*_0_log.out"))  # submitit: <job>_<task>_log.out, task 0
+    assert outputs and any("step 3/3" in p.read_text() for p in outputs), outputs
+    logs = "".join(p.read_text() for p in (tmp_path / "runs").rglob("*_1_log.*"))
+    assert logs, "task 1 (rank 1) ran"

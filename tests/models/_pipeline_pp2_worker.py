@@ -10,11 +10,12 @@ from datetime import timedelta
 def main() -> None:
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state
+
+    from fp8rl.models.runtime import init_megatron
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    init_megatron(1, 2, seed=0)
 
     from fp8rl.models import pipeline as pp
     from fp8rl.models.config import ModelConfig

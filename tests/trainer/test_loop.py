@@ -194,7 +194,7 @@ def test_a_step_with_a_non_finite_second_update_leaves_no_trace_of_its_first(sma
 def test_a_kl_penalty_to_the_start_policy_runs(small_cfg: RunConfig, kl_type: str) -> None:
     small_cfg = with_overrides(small_cfg, {"algo.kl_coef": 0.1, "algo.kl_type": kl_type, "trainer.steps": 1})
     trainer = build_trainer(small_cfg)
-    reference = trainer.parts.reference
+    reference = trainer.parts.reference.module
     assert reference is not None and reference is not trainer.model
     assert all(not p.requires_grad for p in reference.parameters())
     start = {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}

@@ -1,0 +1,243 @@
+"""The policy on this rank, whatever the parallel layout: build it, score responses, run a loss's forward and
+backward, sample from it.
+
+megatron's process state (`fp8rl.models.runtime.init_megatron`) fixes the layout: TP x PP x DP ranks. This rank
+holds a tensor-parallel shard of a pipeline stage of the model; `Policy` hides which:
+
+- `build_policy`: this rank's model with the full (TP = PP = 1) start weights, split as megatron splits them
+  (column-parallel linears by output rows, the fused QKV by whole query groups, the SwiGLU fc1 by [gate; up]
+  halves, row-parallel linears by input columns, the vocabulary by rows; pipeline stages by layer).
+- `Policy.logprobs`: per-token log-probs and entropies of the response tokens, on EVERY rank. Under TP they
+  come from vocabulary-parallel logits (`fp8rl.models.vocab_parallel`: two all-reduces, no gather); under PP
+  from the last stage through megatron's pipeline schedule, broadcast over the pipeline group.
+- `Policy.forward_backward`: one mini-batch's loss (a function of the log-probs and entropies the caller
+  gives) and its backward, over micro-batches through the pipeline schedule when PP > 1.
+- `Policy.generate`: KV-cached sampling (`fp8rl.models.generate`); under TP every rank of a TP group samples
+  the same rows from gathered logits; under PP the decode steps run stage by stage (`fp8rl.models.pipeline`).
+
+The caller enters the precision context (`fp8rl.trainer.precision.running_in`) around these calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch import Tensor
+
+from fp8rl.models.config import ModelConfig
+from fp8rl.models.generate import GenerationOutput, generate
+from fp8rl.models.gpt import build_gpt_model
+from fp8rl.models.logprobs import (
+    causal_padding_mask,
+    logprobs_and_entropy_from_logits,
+    position_ids_from_mask,
+)
+from fp8rl.models.sampling import SamplingConfig
+from fp8rl.models.vocab_parallel import vocab_parallel_logprobs_and_entropy
+
+# (logp, entropy) of one micro-batch's response tokens, both (b, response_len) -> (loss, metrics)
+LossFn = Callable[[Tensor, Tensor], tuple[Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in megatron's groups."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @classmethod
+    def current(cls) -> Layout:
+        return cls(
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(),
+        )
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def shard_for_tensor_parallel(full: Tensor, param: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+    """This rank's shard of a full (TP = 1) tensor for a megatron parameter, as megatron's CPU initialisation
+    splits it: `tp_size` x stride chunks along the parameter's ``partition_dim``, taking chunks rank, rank + tp,
+    ... (the SwiGLU fc1 has stride 2: [gate_r; up_r]). Replicated parameters (norms) come whole."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    chunk = full.shape[dim] // (tp_size * stride)
+    return torch.cat(torch.split(full, chunk, dim=dim)[tp_rank::tp_size], dim=dim)
+
+
+def build_policy(cfg: ModelConfig, full_state: dict[str, Tensor] | None, seed: int, device: torch.device) -> Policy:
+    """This rank's policy with the full start weights (None: the seed's initialisation of the whole model)."""
+    layout = Layout.current()
+    if layout.pp > 1:
+        from fp8rl.models.pipeline import build_gpt_stage
+
+        module = build_gpt_stage(cfg, seed, full_state_dict=full_state)
+    else:
+        module = build_gpt_model(cfg, seed=seed)
+        if full_state is not None:
+            load_full_state(module, full_state, layout)
+    return Policy(module.to(device), cfg, layout)
+
+
+def load_full_state(module: torch.nn.Module, full_state: dict[str, Tensor], layout: Layout) -> None:
+    """Load a full (TP = 1) state dict into this rank's TP shard; only megatron's ``_extra_state`` may be
+    missing and nothing may be left over."""
+    params = dict(module.named_parameters())
+    shards = {
+        key: shard_for_tensor_parallel(value, params[key], layout.tp_rank, layout.tp) if key in params else value
+        for key, value in full_state.items()
+    }
+    missing, unexpected = module.load_state_dict(shards, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"start weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+class Policy:
+    """This rank's part of the policy model (module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, cfg: ModelConfig, layout: Layout) -> None:
+        self.module, self.cfg, self.layout = module, cfg, layout
+
+    # ------------------------------------------------------------------------------------------ scoring
+    def response_logprobs(
+        self, logits: Tensor, input_ids: Tensor, response_len: int, temperature: float, vocab_size: int | None
+    ) -> tuple[Tensor, Tensor]:
+        """(logp, entropy) of the last `response_len` tokens from the full-sequence logits (b, s, V / TP)."""
+        shifted, tokens = logits[:, -response_len - 1 : -1, :], input_ids[:, -response_len:]
+        if self.layout.tp == 1:
+            return logprobs_and_entropy_from_logits(shifted[..., :vocab_size], tokens, temperature)
+        width = shifted.shape[-1]
+        start = self.layout.tp_rank * width
+        group = parallel_state.get_tensor_model_parallel_group()
+        end = start + width
+        return vocab_parallel_logprobs_and_entropy(shifted, tokens, temperature, start, end, group, vocab_size)
+
+    def logprobs(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        response_len: int,
+        temperature: float,
+        vocab_size: int | None,
+        grad: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """Per-token (log-prob, entropy) of the last `response_len` tokens of each row, (b, response_len) fp32, on
+        every rank. `grad` keeps the graph (PP: forward-only, always detached)."""
+        if not 0 < response_len < input_ids.size(1):
+            raise ValueError(f"response_len={response_len} must be in (0, {input_ids.size(1)})")
+        if self.layout.pp > 1:
+            from fp8rl.models.pipeline import pipeline_logprobs
+
+            mb = {"input_ids": input_ids, "attention_mask": attention_mask, "response_len": response_len}
+            ((logp, entropy),) = pipeline_logprobs(
+                self.module, [mb], temperature=temperature, vocab_size=vocab_size, logprobs_fn=self.response_logprobs
+            )
+            return logp, entropy
+        context = contextlib.nullcontext() if grad else torch.no_grad()
+        with context:
+            logits = self.module(input_ids, position_ids_from_mask(attention_mask), causal_padding_mask(attention_mask))
+            return self.response_logprobs(logits, input_ids, response_len, temperature, vocab_size)
+
+    # ------------------------------------------------------------------------------------------ training
+    def forward_backward(
+        self,
+        micro_batches: Sequence[dict[str, Any]],
+        loss_fn: Callable[[dict[str, Any], Tensor, Tensor], tuple[Tensor, dict[str, float]]],
+        temperature: float,
+        vocab_size: int | None,
+    ) -> tuple[list[dict[str, float]], list[Tensor]]:
+        """Forward and backward of ``sum over micro-batches of loss_fn(mb, logp, entropy)`` (each micro-batch's
+        loss already normalised by the caller for the whole mini-batch); gradients accumulate. Returns, on every
+        rank, each micro-batch's metrics and its detached log-probs (b, response_len).
+
+        Micro-batches: dicts with ``input_ids``, ``attention_mask`` (b, s), ``response_len`` and what `loss_fn`
+        reads."""
+        if self.layout.pp > 1:
+            from fp8rl.models.pipeline import pipeline_forward_backward
+
+            return pipeline_forward_backward(
+                self.module, list(micro_batches), loss_fn, temperature, vocab_size, self.response_logprobs
+            )
+        metrics, logps = [], []
+        for mb in micro_batches:
+            logp, entropy = self.logprobs(
+                mb["input_ids"], mb["attention_mask"], mb["response_len"], temperature, vocab_size, grad=True
+            )
+            loss, mb_metrics = loss_fn(mb, logp, entropy)
+            mb_metrics["loss_finite"] = float(torch.isfinite(loss))
+            if mb_metrics["loss_finite"]:
+                loss.backward()
+            metrics.append(mb_metrics)
+            logps.append(logp.detach())
+        return metrics, logps
+
+    # ------------------------------------------------------------------------------------------ sampling
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        sampling: SamplingConfig,
+        seeds: Sequence[int] | None,
+    ) -> GenerationOutput:
+        """Sample after each left-padded prompt; the same result on every rank of the model-parallel group."""
+        if self.layout.pp > 1:
+            from fp8rl.models.pipeline import pipeline_generate
+
+            return pipeline_generate(self.module, prompt_ids, prompt_mask, sampling, seeds)
+        return generate(self.module, prompt_ids, prompt_mask, sampling, seeds)
+
+    # ------------------------------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's tensors under the TP = PP = 1 names, gathered on every rank (weight pushes to a
+        rollout engine, Hugging Face export)."""
+        model = unwrapped(self.module)
+        state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        if self.layout.tp == 1 and self.layout.pp == 1:
+            return state
+        params = dict(model.named_parameters())
+        gathered = {}
+        for key, value in state.items():
+            param = params.get(key)
+            gathered[key] = _gather_tensor_parallel(value, param, self.layout) if param is not None else value
+        if self.layout.pp > 1:
+            from fp8rl.models.pipeline import gather_stages
+
+            gathered = gather_stages(self.module, gathered)
+        return gathered
+
+
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside megatron's wrappers (DistributedDataParallel, Float16Module)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _gather_tensor_parallel(shard: Tensor, param: Tensor, layout: Layout) -> Tensor:
+    """Inverse of `shard_for_tensor_parallel` over the TP group."""
+    if layout.tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return shard
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    pieces = [torch.empty_like(shard) for _ in range(layout.tp)]
+    dist.all_gather(pieces, shard.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    chunks = [piece.chunk(stride, dim=dim) for piece in pieces]  # rank r holds chunks r, r + tp, ...
+    return torch.cat([chunks[rank][s] for s in range(stride) for rank in range(layout.tp)], dim=dim)

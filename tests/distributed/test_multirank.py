@@ -1,0 +1,158 @@
+"""The trainer on several gloo ranks (torchrun) against one process: the same step, whatever the layout.
+
+Each test launches ``tests/distributed/worker.py`` with ``torchrun --standalone``; the one-process reference
+is the same script with one rank. Compute is FP32 (``precision.compute=fp32``), so layouts agree to FP32
+round-off: rollouts token for token, the updated weights to 1e-6. Ratio quantiles are combined over shares
+approximately (`fp8rl.trainer.loop.combine_shares`) and are not compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+WORKER = Path(__file__).with_name("worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+APPROXIMATE = ("actor/ratio_q",)  # combined over shares approximately
+WEIGHT_TOLERANCE = 1e-6
+
+
+def torchrun(ranks: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [*command, str(WORKER), *args], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT
+    )
+    if check and done.returncode != 0:
+        pytest.fail(f"torchrun {' '.join(args)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}")
+    return done
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("multirank")  # one warm-start cache for the module
+
+
+def first_step(workdir: Path, name: str, ranks: int, *overrides: str) -> dict:
+    out = workdir / name
+    if not (out / "result.pt").exists():
+        torchrun(ranks, "first-step", str(out), *overrides)
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def reference(workdir: Path) -> dict:
+    return first_step(workdir, "one", 1)
+
+
+def assert_same_step(one: dict, many: dict, logp_tolerance: float = 0.0) -> None:
+    assert torch.equal(one["rows"]["response_ids"], many["rows"]["response_ids"])
+    assert torch.equal(one["rows"]["adv"], many["rows"]["adv"])
+    torch.testing.assert_close(many["rows"]["rollout_logp"], one["rows"]["rollout_logp"], atol=logp_tolerance, rtol=0)
+    assert one["state"].keys() == many["state"].keys()
+    worst = max(float((one["state"][k] - many["state"][k]).abs().max()) for k in one["state"])
+    assert worst <= WEIGHT_TOLERANCE, f"updated weights differ by {worst:.2e}"
+    for key, value in one["metrics"].items():
+        if key.startswith(("time/", *APPROXIMATE)):
+            continue
+        assert many["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_two_data_parallel_ranks_take_the_same_step_as_one_process(workdir: Path, reference: dict) -> None:
+    assert_same_step(reference, first_step(workdir, "dp2", 2))
+
+
+def test_two_tensor_parallel_ranks_take_the_same_step_as_one_process(workdir: Path, reference: dict) -> None:
+    # Log-probs through a vocab-parallel softmax round differently (sampling picks the same tokens).
+    assert_same_step(reference, first_step(workdir, "tp2", 2, "parallel.tensor_parallel=2"), logp_tolerance=1e-5)
+
+
+def test_two_pipeline_stages_take_the_same_step_as_one_process(workdir: Path, reference: dict) -> None:
+    assert_same_step(reference, first_step(workdir, "pp2", 2, "parallel.pipeline_parallel=2"), logp_tolerance=1e-5)
+
+
+def test_tensor_and_data_parallel_together_take_the_same_step(workdir: Path, reference: dict) -> None:
+    assert_same_step(reference, first_step(workdir, "tp2dp2", 4, "parallel.tensor_parallel=2"), logp_tolerance=1e-5)
+
+
+def test_calibrated_clipping_gives_every_rank_the_same_bounds(workdir: Path) -> None:
+    cc = ("precision.mode=fp8_full", "clipping.policy=calibrated", "clipping.rollout_correction=tis_token")
+    result = first_step(workdir, "cc_dp2", 2, *cc)
+    assert result["metrics"]["clip/calib_count"] == 1.0  # the step calibrated
+    assert len(result["bounds"]) == 2 and result["bounds"][0] == result["bounds"][1]
+
+
+def test_a_stopped_two_rank_job_resumes_where_an_uninterrupted_one_is(workdir: Path) -> None:
+    torchrun(2, "run", str(workdir / "full"))
+    torchrun(2, "run", str(workdir / "resumed"), "stop-after=1")
+    checkpoints = sorted(p.name for p in (workdir / "resumed" / "run" / "checkpoints").glob("*.pt"))
+    assert checkpoints == ["step_000001.pt", "step_000001.rank00001.pt"]  # one file per rank
+    torchrun(2, "run", str(workdir / "resumed"))
+    full = json.loads((workdir / "full" / "history.json").read_text())
+    resumed = json.loads((workdir / "resumed" / "history.json").read_text())
+    assert full["steps_done"] == resumed["steps_done"] == 2
+    last, again = full["history"][-1], resumed["history"][-1]
+    assert {k: v for k, v in again.items() if not k.startswith(("time/", "launch/"))} == {
+        k: v for k, v in last.items() if not k.startswith(("time/", "launch/"))
+    }
+
+
+def test_a_two_rank_checkpoint_is_refused_by_one_rank_with_a_clear_message(workdir: Path) -> None:
+    if not (workdir / "resumed" / "run" / "checkpoints").exists():
+        torchrun(2, "run", str(workdir / "resumed"), "stop-after=1")
+    done = torchrun(1, "run", str(workdir / "resumed"), check=False)
+    assert done.returncode != 0
+    assert "written by 2 rank(s), this job has 1" in done.stdout + done.stderr
+
+
+def test_the_training_command_under_torchrun_logs_one_mlflow_run(tmp_path: Path) -> None:
+    """What a user types: ``torchrun ... -m fp8rl.train``; every rank trains, rank 0 alone tracks."""
+    import mlflow
+
+    (tmp_path / "warmstart").mkdir()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = [
+        "trainer.steps=2",
+        "warmstart.steps=20",
+        "warmstart.batch_size=32",
+        f"warmstart.cache_dir={tmp_path / 'warmstart'}",
+        "algo.prompts_per_step=4",
+        "algo.group_size=4",
+        "algo.num_minibatches=2",
+        "eval.size=16",
+        "task.num_eval=16",
+        f"trainer.out_dir={tmp_path / 'run'}",
+        f"tracking.tracking_uri={uri}",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [*command, "-m", "fp8rl.train", *overrides], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    runs = mlflow.search_runs(experiment_names=["fp8rl"], tracking_uri=uri, output_format="list")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    history = mlflow.MlflowClient(uri).get_metric_history(runs[0].info.run_id, "rollout/reward")
+    assert [m.step for m in history] == [1, 2]
+    assert "step 2/2" in done.stdout + done.stderr  # the per-step log line
+
+
+def test_emulated_fp8_under_tensor_parallelism_reduces_the_sharded_amaxes(workdir: Path) -> None:
+    """``precision.amax_reduction=tp_invariant``: the per-tensor scales of TP shards are all-reduced, so TP=2 samples
+    what one process samples in FP8 (without it, the shards' own scales change the sampled tokens). Log-probs agree
+    to an FP8 step, not to round-off: a round-off difference can move a value across an FP8 rounding boundary."""
+    fp8 = ("precision.mode=fp8_full", "precision.amax_reduction=tp_invariant")
+    one = first_step(workdir, "fp8_one", 1, *fp8)
+    tp2 = first_step(workdir, "fp8_tp2", 2, *fp8, "parallel.tensor_parallel=2")
+    assert torch.equal(one["rows"]["response_ids"], tp2["rows"]["response_ids"])
+    torch.testing.assert_close(tp2["rows"]["rollout_logp"], one["rows"]["rollout_logp"], atol=2e-3, rtol=0)
+    assert tp2["metrics"]["actor/pg_loss"] == pytest.approx(one["metrics"]["actor/pg_loss"], rel=1e-3)
