@@ -333,6 +333,7 @@ class TrainerConfig:
     out_dir: str | None = option(None, "checkpoints and run files; None = outputs/runs/<run name>-<config hash>")
     resume: bool = option(True, "continue from the newest checkpoint in out_dir (false: move it aside, start fresh)")
     max_bad_steps: int = option(3, "stop after this many non-finite steps in a row")
+    export_every: int = option(0, "write a Hugging Face checkpoint (run folder's hf/) every N steps; 0 = never")
     shadow_every: int = option(0, "fp8_full: BF16 shadow diagnostics every N steps; 0 = calibration steps only")
     log_ratio_histograms: bool = option(True, "log BF16-shadow vs FP8 ratio histograms on shadow steps")
     threads: int = option(0, "torch intra-op threads; 0 = torch's default")
@@ -508,6 +509,7 @@ HASH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "precision.margin": (0,),
     "precision.compute": ("bf16",),
     "precision.amax_reduction": ("te",),
+    "trainer.export_every": (0,),
     "model.hf_path": (None,),
     "task.dataset": (None,),
     "task.path": (None,),

@@ -24,12 +24,12 @@ import safetensors.torch
 import torch
 
 from fp8rl import algos
-from fp8rl.config import AlgoConfig, ClippingConfig, PrecisionConfig, RunConfig, TaskConfig
+from fp8rl.config import AlgoConfig, ClippingConfig, PrecisionConfig, RunConfig, TaskConfig, to_dict
 from fp8rl.models.config import ModelConfig, get_model_config, with_tokenizer_vocab
 from fp8rl.models.fp8_layers import set_fp8_amax_reduction
 from fp8rl.models.outliers import inject_activation_outliers
 from fp8rl.models.parallel import ParallelLayout
-from fp8rl.models.policy import Policy
+from fp8rl.models.policy import Layout, Policy
 from fp8rl.models.policy import build_policy as build_policy_module
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.tasks import Task, build_task
@@ -37,7 +37,7 @@ from fp8rl.trainer.distributed import DataParallel
 from fp8rl.trainer.loop import Parts
 from fp8rl.trainer.optim import TorchPolicyOptimizer, megatron_policy_optimizer
 from fp8rl.trainer.precision import PrecisionPlan, plan_precision
-from fp8rl.trainer.warmstart import warmstart
+from fp8rl.trainer.warmstart import cached_warmstart, warmstart, warmstart_in_own_process
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,6 +83,18 @@ def rank_zero_first(make: Callable[[], T]) -> T:
     return result if dist.get_rank() == 0 else make()
 
 
+def warmstart_here_or_apart(cfg: RunConfig, model_cfg: ModelConfig, task: Task):
+    """The warm start: trained in this process, or (model split over ranks) in a process of its own."""
+    from megatron.core import parallel_state
+
+    split = (
+        parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
+    )
+    if split > 1 and cached_warmstart(model_cfg, task, cfg.task, cfg.warmstart) is None:
+        warmstart_in_own_process(to_dict(cfg))
+    return warmstart(model_cfg, task, cfg.task, cfg.warmstart)
+
+
 def task_for_layout(cfg: RunConfig, layout: ParallelLayout) -> TaskConfig:
     """The task section with a response limit: the configured one, else (math on a GPU) the layout's sequence
     length less the prompt budget."""
@@ -103,7 +115,7 @@ def start_weights(cfg: RunConfig, task: Task, hf_folder: str | None) -> StartWei
     model_cfg = with_tokenizer_vocab(get_model_config(cfg.model.preset), task.tokenizer.vocab_size)
     if cfg.warmstart.steps == 0 or not hasattr(task, "target_ids"):
         return StartWeights(model_cfg, None, f"random initialisation (seed {cfg.warmstart.seed})")
-    result = rank_zero_first(lambda: warmstart(model_cfg, task, cfg.task, cfg.warmstart))
+    result = rank_zero_first(lambda: warmstart_here_or_apart(cfg, model_cfg, task))
     accuracy = result.metadata.get("eval/accuracy", float("nan"))
     source = f"{cfg.warmstart.steps}-step supervised warm start ({accuracy:.1%} greedy held-out accuracy)"
     return StartWeights(model_cfg, safetensors.torch.load_file(str(result.weights_path)), source)
@@ -152,7 +164,6 @@ def amax_reduction_policy(precision: PrecisionConfig) -> str:
 
 def _te_policy(cfg: RunConfig, weights: StartWeights, layout: ParallelLayout):
     from fp8rl.models import te_backend
-    from fp8rl.models.policy import Layout
 
     te_model = te_backend.build_te_gpt_model(weights.model_cfg, layout, plan_precision(cfg.precision).train_recipe)
     local = policy_with_weights(dataclasses.replace(weights), cfg, torch.device("cpu"))

@@ -469,9 +469,41 @@ def print_report(report: SweepReport, console: Any | None = None) -> None:
         f"{todo} {verb}" + (f"; parent run {report.parent_run_id}" if report.parent_run_id else "")
     )
     if report.dry_run:
+        console.print(workload_table(report.runs))
         for run in report.runs:
             if run.to_submit:
                 console.print(f"  python -m fp8rl.train {' '.join(run.point.overrides)}", soft_wrap=True)
+
+
+def workload_table(runs: list[PlannedRun]) -> Any:
+    """What each run trains on: model, training data, evaluation sets, trainer layout (the dry run's check that
+    a sweep is the experiment meant)."""
+    from rich.table import Table
+
+    table = Table(title="workload")
+    for column in ("#", "model", "train data", "evaluation", "layout"):
+        table.add_column(column)
+    for index, run in enumerate(runs):
+        table.add_row(str(index), *workload(run.cfg))
+    return table
+
+
+def workload(cfg: RunConfig) -> tuple[str, str, str, str]:
+    """(model, train data, evaluation, layout) of one run, in words."""
+    from fp8rl.preflight import layout_for
+
+    t, e = cfg.task, cfg.eval
+    model = cfg.model.hf_path or f"{cfg.model.preset} (preset)"
+    if t.name == "math":
+        data = f"{t.dataset}" + (f" from {t.path}" if t.path else " (hub)")
+        sets = ", ".join(t.eval_sets) or "none"
+    else:
+        data = f"{t.name} ({t.num_train} problems)"
+        sets = f"{t.name} held-out"
+    evaluation = f"{sets}; {e.size} problems x {e.samples} samples every {e.every} steps"
+    layout = layout_for(cfg, world_size=1) if cfg.model.device == "cuda" else None
+    where = "CPU, one process" if layout is None else layout.describe().split(";")[0]
+    return model, data, evaluation, where
 
 
 def _status(run: PlannedRun, dry_run: bool) -> str:

@@ -15,10 +15,12 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fp8rl.tracking import Tracker
 from fp8rl.trainer import checkpoint as ckpt
+from fp8rl.trainer.export import export_hf_checkpoint
 from fp8rl.trainer.loop import RLTrainer, StepResult
 from fp8rl.trainer.shadow import close_figure, ratio_histogram_figure
 
@@ -98,6 +100,9 @@ def fit(
             if result.good and _checkpoint_due(cfg, trainer.step):
                 state = {**trainer.state_dict(), **(meta or {})}
                 ckpt.save_checkpoint(out_dir, trainer.step, state, cfg.trainer.keep_checkpoints, rank, world_size)
+            if _every(cfg.trainer.export_every, trainer.step):
+                folder = Path(out_dir) / "hf" / f"step_{trainer.step:06d}"
+                export_hf_checkpoint(trainer.policy, trainer.task.tokenizer, folder, rank)
     summary.steps_done = trainer.step
     last = summary.history[-1] if summary.history else {}
     summary.final_eval = {k: v for k, v in last.items() if k.startswith("eval/")}
@@ -175,6 +180,10 @@ def _progress(description: str, total: int, completed: int) -> Any:
 def _eval_due(cfg, done: int) -> bool:
     every = cfg.eval.every
     return done == cfg.trainer.steps or (every > 0 and done % every == 0)
+
+
+def _every(every: int, done: int) -> bool:
+    return every > 0 and done % every == 0
 
 
 def _checkpoint_due(cfg, done: int) -> bool:

@@ -5,6 +5,11 @@ tokens only, in the RL batch layout (prompts left-padded, targets right-padded).
 under a hash of everything that determines it (model config with its resolved vocabulary, task
 config, warm-start config, a format version), so a sweep trains it once; files are written to a
 temporary name and renamed, so a reader never sees a half-written checkpoint.
+
+A job whose model is split over ranks (TP or PP > 1) cannot train the one-process warm start in its own
+processes (megatron's layers there are shards that wait for their peers): rank 0 runs it as
+``python -m fp8rl.trainer.warmstart <resolved config .json>``, a process of its own, and every rank then reads
+the cache.
 """
 
 from __future__ import annotations
@@ -160,6 +165,28 @@ def cache_paths(cache_dir: Path, key: str) -> tuple[Path, Path]:
     return cache_dir / f"warmstart-{key}.safetensors", cache_dir / f"warmstart-{key}.json"
 
 
+def cached_warmstart(model_cfg: ModelConfig, task: Task, task_cfg: TaskConfig, ws_cfg: WarmStartConfig):
+    """The cached result for these configs, or None."""
+    key = warmstart_key(with_tokenizer_vocab(model_cfg, task.tokenizer.vocab_size), task_cfg, ws_cfg)
+    weights_path, metadata_path = cache_paths(Path(ws_cfg.cache_dir), key)
+    if weights_path.exists() and metadata_path.exists():
+        return WarmStartResult(weights_path, json.loads(metadata_path.read_text()))
+    return None
+
+
+def warmstart_in_own_process(config_json: dict[str, Any]) -> None:
+    """Train (or find) the warm start of a run config in a fresh one-process megatron (module docstring)."""
+    import subprocess
+    import sys
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(config_json, fh)
+    try:
+        subprocess.run([sys.executable, "-m", "fp8rl.trainer.warmstart", fh.name], check=True)
+    finally:
+        os.unlink(fh.name)
+
+
 def warmstart(model_cfg: ModelConfig, task: Task, task_cfg: TaskConfig, ws_cfg: WarmStartConfig) -> WarmStartResult:
     """The warm-started weights for these configs (trained and cached under ``ws_cfg.cache_dir`` on first use)
     and their metadata (eval accuracy, train time)."""
@@ -194,3 +221,22 @@ def load_warmstarted_model(weights_path: str | Path, model_cfg: ModelConfig, see
     # megatron's linears add their missing ``_extra_state`` keys in a load pre-hook, so strict loading works.
     model.load_state_dict(safetensors.torch.load_file(str(weights_path)), strict=True)
     return model
+
+
+def main(config_path: str) -> None:
+    """``python -m fp8rl.trainer.warmstart RUN_CONFIG.json``: the warm start of that run, cached."""
+    from fp8rl.config import from_dict
+    from fp8rl.models.config import get_model_config
+    from fp8rl.models.runtime import init_megatron
+    from fp8rl.tasks import build_task
+
+    cfg = from_dict(json.loads(Path(config_path).read_text()))
+    init_megatron(seed=cfg.warmstart.seed)
+    task = build_task(cfg.task)
+    warmstart(get_model_config(cfg.model.preset), task, cfg.task, cfg.warmstart)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1])

@@ -113,9 +113,10 @@ def test_a_two_rank_checkpoint_is_refused_by_one_rank_with_a_clear_message(workd
     assert "written by 2 rank(s), this job has 1" in done.stdout + done.stderr
 
 
-def test_the_training_command_under_torchrun_logs_one_mlflow_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [[], ["parallel.tensor_parallel=2"]], ids=["dp2", "tp2"])
+def test_the_training_command_under_torchrun_logs_one_mlflow_run(tmp_path: Path, layout: list[str]) -> None:
     """What a user types: ``torchrun ... -m fp8rl.train``; every rank trains, rank 0 alone tracks."""
-    import mlflow
+    from mlflow.tracking import MlflowClient
 
     (tmp_path / "warmstart").mkdir()
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -132,6 +133,8 @@ def test_the_training_command_under_torchrun_logs_one_mlflow_run(tmp_path: Path)
         f"trainer.out_dir={tmp_path / 'run'}",
         f"tracking.tracking_uri={uri}",
         f"hydra.run.dir={tmp_path / 'hydra'}",
+        "trainer.export_every=2",
+        *layout,
     ]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -139,11 +142,19 @@ def test_the_training_command_under_torchrun_logs_one_mlflow_run(tmp_path: Path)
         [*command, "-m", "fp8rl.train", *overrides], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr[-6000:]
-    runs = mlflow.search_runs(experiment_names=["fp8rl"], tracking_uri=uri, output_format="list")
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("fp8rl").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    history = mlflow.MlflowClient(uri).get_metric_history(runs[0].info.run_id, "rollout/reward")
+    assert runs[0].data.tags["fp8rl.world_size"] == "2"
+    history = client.get_metric_history(runs[0].info.run_id, "rollout/reward")
     assert [m.step for m in history] == [1, 2]
     assert "step 2/2" in done.stdout + done.stderr  # the per-step log line
+    exported = tmp_path / "run" / "hf" / "step_000002"  # the TP shards gathered into one checkpoint
+    from fp8rl.models.hf import read_hf_tensors
+
+    hf_config = json.loads((exported / "config.json").read_text())
+    embedding = read_hf_tensors(exported)["model.embed_tokens.weight"]
+    assert tuple(embedding.shape) == (hf_config["vocab_size"], hf_config["hidden_size"])
 
 
 def test_emulated_fp8_under_tensor_parallelism_reduces_the_sharded_amaxes(workdir: Path) -> None:

@@ -115,3 +115,14 @@ def test_queued_or_running_slurm_jobs_are_not_submitted_again(monkeypatch: pytes
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=live, stderr=""))
     mark_in_flight(report)
     assert [r.status for r in report.runs] == ["in-flight", "new"]
+
+
+def test_the_dry_run_names_each_paper_runs_model_data_evaluation_and_layout() -> None:
+    from fp8rl.compose import compose_config
+    from fp8rl.launch.sweep import workload
+
+    cfg = compose_config(["experiment=dapo_table", "scale=paper", "+experiment/arm=bf16"])
+    model, data, evaluation, layout = workload(cfg)
+    assert model == "Qwen/Qwen3-14B-Base" and data == "dapo_math_17k (hub)"
+    assert evaluation.startswith("aime24, aime25, amc23, math500;") and "32 samples" in evaluation
+    assert "TP 4 x PP 1 x DP 2" in layout

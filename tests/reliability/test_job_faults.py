@@ -45,7 +45,9 @@ def test_a_failure_while_building_marks_the_run_failed(small_cfg: RunConfig, sql
     assert only_run(sqlite_uri)[1].info.status == "FAILED"
 
 
-def test_a_preempted_job_that_will_be_requeued_stays_resumable(small_cfg: RunConfig, sqlite_uri: str, monkeypatch) -> None:
+def test_a_preempted_job_that_will_be_requeued_stays_resumable(
+    small_cfg: RunConfig, sqlite_uri: str, monkeypatch
+) -> None:
     """submitit's checkpoint() marks the requeue, then exits: the run is SCHEDULED, not KILLED, and resumes."""
     from fp8rl.job import signals
     from fp8rl.trainer import fit as fit_module
