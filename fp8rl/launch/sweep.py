@@ -392,7 +392,7 @@ def _collect_done(jobs: list[tuple[PlannedRun, Any]], progress: Progress | None 
             pending.append((run, job))
             continue
         try:
-            run.result = job.result()
+            run.result = job.results()[0]  # a job of several tasks (CPU ranks, GPUs): rank 0's
         except Exception as err:  # noqa: BLE001 - submitit re-raises the job's exception with its traceback
             run.error = f"{type(err).__name__}: {str(err)[-3000:]}"
         if progress:

@@ -134,13 +134,7 @@ def set_fp8_recipe(model: torch.nn.Module, recipe: Any) -> None:
 def fp8_autocast(model: torch.nn.Module, recipe: Any) -> Iterator[None]:
     """Set ``recipe`` (None = high precision) on the block linears for the block, then restore each one's own.
 
-    A Transformer Engine model (fp8rl.models.te_backend) switches its TE FP8 recipe instead."""
-    if getattr(getattr(model, "module", model), "fp8rl_backend", None) == "te":
-        from fp8rl.models.te_backend import te_fp8
-
-        with te_fp8(model, recipe):
-            yield
-        return
+    (A Transformer Engine model switches its TE recipe instead: `fp8rl.models.autocast.fp8_recipe_block`.)"""
     linears = fp8_switchable_linears(model)
     previous = [linear.fp8_recipe for linear in linears]
     set_fp8_recipe(model, recipe)

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from fp8rl.models.gpt import compute_precision, fp8_autocast
+from fp8rl.models.autocast import fp8_recipe_block
+from fp8rl.models.gpt import compute_precision
 from fp8rl.models.kv_cache import fp8_kv_cache
 from fp8rl.models.logprobs import left_pad
 from fp8rl.models.policy import Layout, Policy
@@ -41,7 +42,7 @@ class BuiltinEngine:
         with (
             torch.no_grad(),
             compute_precision(self.compute),
-            fp8_autocast(self.model, self.recipe),
+            fp8_recipe_block(self.model, self.recipe),
             fp8_kv_cache(self.model, self.fp8_kv_cache),
         ):
             out = self.policy.generate(prompt_ids, prompt_mask, sampling, seeds)

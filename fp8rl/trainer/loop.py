@@ -113,7 +113,7 @@ class RLTrainer:
         t = time.perf_counter()
         old_logp, _ = self.logprobs(data.rollout, self.plan.train_recipe, grad=False)
         timings["time/old_logp"] = time.perf_counter() - t
-        shadow = ShadowComparison(self) if self.wants_shadow(step) else None
+        shadow = ShadowComparison(self.logprobs, self.cfg.algo, self.dp) if self.wants_shadow(step) else None
         if shadow is not None:
             shadow.record_old(data.rollout)
         reference_logp = None

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from fp8rl.config import PrecisionConfig
-from fp8rl.models.gpt import compute_precision, fp8_autocast
+from fp8rl.models.autocast import fp8_recipe_block
+from fp8rl.models.gpt import compute_precision
 from fp8rl.quant import Fp8Recipe, get_recipe
 
 
@@ -47,5 +48,5 @@ def plan_precision(cfg: PrecisionConfig) -> PrecisionPlan:
 @contextlib.contextmanager
 def running_in(model: torch.nn.Module, recipe: Fp8Recipe | None, compute: str = "bf16") -> Iterator[None]:
     """BF16 autocast plus `recipe` (None = BF16) on the model's block linears."""
-    with compute_precision(compute), fp8_autocast(model, recipe):
+    with compute_precision(compute), fp8_recipe_block(model, recipe):
         yield

@@ -15,17 +15,20 @@ into one pool; at the end of the step the pool is gathered over all data-paralle
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fp8rl import algos
 from fp8rl.algos.calibration import CalibStatus
+from fp8rl.config import AlgoConfig
 from fp8rl.rollout.base import RolloutBatch
+from fp8rl.trainer.distributed import DataParallel
 
-if TYPE_CHECKING:
-    from fp8rl.trainer.loop import RLTrainer
+# (batch, recipe) -> (log-probs, entropy) of the batch's responses; recipe None = BF16
+LogProbs = Callable[[RolloutBatch, Any], tuple[torch.Tensor, torch.Tensor]]
 
 HISTOGRAM_EDGES = (0.5, 1.5, 100)  # ratio range and bins of the logged histograms
 
@@ -40,8 +43,8 @@ class _Pool:
 class ShadowComparison:
     """Collects the BF16-vs-FP8 ratios of one step (module docstring)."""
 
-    def __init__(self, trainer: RLTrainer) -> None:
-        self.trainer = trainer
+    def __init__(self, logprobs: LogProbs, algo: AlgoConfig, dp: DataParallel) -> None:
+        self.logprobs, self.algo, self.dp = logprobs, algo, dp
         self.seconds = 0.0
         self._old_ref: torch.Tensor | None = None
         self._pool = _Pool()
@@ -49,13 +52,13 @@ class ShadowComparison:
     def record_old(self, batch: RolloutBatch) -> None:
         """BF16 log-probs of pi_old for every row of the step."""
         started = time.perf_counter()
-        self._old_ref, _ = self.trainer.logprobs(batch, None, grad=False)
+        self._old_ref, _ = self.logprobs(batch, None)
         self.seconds += time.perf_counter() - started
 
     def bf16_ratio(self, mb: RolloutBatch, rows: torch.Tensor) -> torch.Tensor:
         """The BF16 ratio pi_theta / pi_old (rows, response_len) of a post-update mini-batch."""
         started = time.perf_counter()
-        ref_logp, _ = self.trainer.logprobs(mb, None)
+        ref_logp, _ = self.logprobs(mb, None)
         self.seconds += time.perf_counter() - started
         return torch.exp(ref_logp - self._old_ref[rows])
 
@@ -72,7 +75,7 @@ class ShadowComparison:
 
     def pooled(self, parts: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ratio_ref, ratio_fp8, adv) of the pooled tokens (of the chosen mini-batches), over all ranks."""
-        dp = self.trainer.dp
+        dp = self.dp
 
         def cat(items: list[torch.Tensor]) -> torch.Tensor:
             local = torch.cat(items[parts]) if items[parts] else torch.zeros(0)
@@ -82,7 +85,7 @@ class ShadowComparison:
 
     def finish(self, step: int, clip_policy: algos.ClipBoundPolicy, calibrate: bool) -> dict[str, float]:
         """Calibrate on the pool (when due), and the pool's out-of-sample over-clip metrics."""
-        a = self.trainer.cfg.algo
+        a = self.algo
         ratio_ref, ratio_fp8, adv = self.pooled()
         metrics = {"clip/shadow_tokens": float(adv.numel()), "clip/shadow_neg_tokens": float((adv < 0).sum())}
         if adv.numel() == 0:

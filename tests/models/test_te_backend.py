@@ -575,14 +575,14 @@ def test_te_spec_matches_the_local_spec_on_left_and_right_padded_batches(tiny_mo
 @needs_te
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_te_fp8_pass_is_switched_per_block_and_restored(tiny_model, tiny_cfg, recipe) -> None:
-    from fp8rl.models.gpt import fp8_autocast
+    from fp8rl.models.autocast import fp8_recipe_block
     from fp8rl.models.logprobs import forward_logits
 
     te_model = _te_copy_of(tiny_model, tiny_cfg)
     ids, mask = _batch("cuda")
     with torch.no_grad():
         bf16 = forward_logits(te_model, ids, mask).float()
-        with fp8_autocast(te_model, recipe):
+        with fp8_recipe_block(te_model, recipe):
             fp8 = forward_logits(te_model, ids, mask).float()
         again = forward_logits(te_model, ids, mask).float()
     assert te_model.config.fp8 is None and torch.equal(bf16, again)

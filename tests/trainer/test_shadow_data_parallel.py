@@ -3,8 +3,6 @@ half the tokens each calibrate to exactly the bounds of one process holding them
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,7 +31,7 @@ def noisy_minibatches(seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
 def calibrated(dp: DataParallel) -> tuple[tuple[float, float], dict[str, float]]:
     """This rank's bounds and shadow metrics after pooling its share (half the rows of each mini-batch)."""
     policy = CalibratedClipBounds(first_step=0, ema=0.0)
-    shadow = ShadowComparison(SimpleNamespace(cfg=RunConfig(), dp=dp))
+    shadow = ShadowComparison(lambda batch, recipe: None, RunConfig().algo, dp)  # the pool only: no log-probs
     share = slice(dp.rank * ROWS // dp.size, (dp.rank + 1) * ROWS // dp.size)
     for ratio_ref, ratio_fp8, adv, mask in noisy_minibatches():
         shadow.add(ratio_ref[share], ratio_fp8[share], adv[share], mask[share])
