@@ -1,4 +1,6 @@
-"""Map fp8rl recipes to Transformer Engine (GPU) and torchao recipe objects.
+"""Which fp8rl recipes Transformer Engine (GPU) and torchao can run, the hardware each needs, and torchao's FP8
+GEMM. (Megatron builds the TE recipe object itself from the TransformerConfig fields that
+`fp8rl.models.te_backend.te_fp8_fields` sets.)
 
 Lives beside the model (the GPU layer spec's backend), not in `fp8rl.quant`, which stays pure torch.
 
@@ -45,43 +47,6 @@ MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
     "blockwise": (9, 0),
     "mxfp8": (10, 0),
 }
-
-
-def te_recipe_kwargs(recipe: Fp8Recipe | str) -> tuple[str, dict[str, Any]]:
-    """The TE recipe class name and its keyword arguments (format given by name) for `recipe`."""
-    recipe = get_recipe(recipe)
-    fmt = "HYBRID" if recipe.fmt == "hybrid" else "E4M3"
-    if recipe.name == "tensorwise" and recipe.scaling == "delayed":
-        return "DelayedScaling", {
-            "fp8_format": fmt,
-            "margin": recipe.margin,
-            "amax_history_len": recipe.amax_history_len,
-            "amax_compute_algo": recipe.amax_compute_algo,
-        }
-    if recipe.name == "tensorwise":
-        return "Float8CurrentScaling", {"fp8_format": fmt}
-    if recipe.name == "blockwise":
-        return "Float8BlockScaling", {"fp8_format": fmt}
-    if recipe.name == "mxfp8":
-        return "MXFP8BlockScaling", {"fp8_format": fmt}
-    raise ValueError(
-        f"FP8 recipe {recipe.name!r} has no Transformer Engine equivalent; on GPU use 'tensorwise', "
-        "'blockwise' or 'mxfp8' with Transformer Engine, or the emulator (fp8rl.quant.fp8_linear)"
-    )
-
-
-def to_te_recipe(recipe: Fp8Recipe | str) -> Any:
-    """Build the Transformer Engine recipe object for `recipe` (GPU hosts with transformer_engine)."""
-    class_name, kwargs = te_recipe_kwargs(recipe)
-    try:
-        from transformer_engine.common import recipe as te_recipe
-    except ImportError as err:  # pragma: no cover - exercised only without TE
-        raise RuntimeError(
-            "Transformer Engine is not installed (it needs CUDA): install the `gpu` extra on a GPU host, "
-            "or use the CPU emulator"
-        ) from err
-    kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
-    return getattr(te_recipe, class_name)(**kwargs)
 
 
 # Recipes each FP8 backend implements (None = BF16 runs on every backend).

@@ -18,20 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-SMALL = {
-    "warmstart.steps": 30,
-    "warmstart.batch_size": 64,
-    "task.num_eval": 32,
-    "trainer.steps": 2,
-    "eval.size": 16,
-    "eval.every": 0,
-    "trainer.checkpoint_every": 1,
-    "algo.prompts_per_step": 4,
-    "algo.group_size": 4,
-    "algo.num_minibatches": 2,
-    "tracking.enabled": False,
-    "precision.compute": "fp32",  # layouts are compared to fp32 round-off
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.conftest import SMALL as TEST_SMALL  # noqa: E402 - the suite's small run
+
+SMALL = {**TEST_SMALL, "precision.compute": "fp32"}  # layouts are compared to fp32 round-off
 
 
 def config(out: Path, overrides: list[str]):

@@ -25,6 +25,7 @@ PROBES = [
     (["warmstart.cache_dir=/no/such/folder"], "warmstart.cache_dir=/no/such/folder does not exist"),
     (["precision.amax_reduction=some"], "precision.amax_reduction='some' is not valid"),
     (["algo.prompts_per_step=6", "algo.num_minibatches=4"], "prompts_per_step"),
+    (["precision=fp8_full", "recipe=rowwise", "precision.backend=te", "model.device=cuda"], "rowwise"),
 ]
 
 
