@@ -1,10 +1,13 @@
 """Paper tables from the finished runs of a sweep, and the mechanism study's tables, read from MLflow.
 
 A table experiment's runs are grouped by the sweep's axes (seeds left out); each column reduces one
-metric's per-step history of a run (last / mean / max, or the entropy-surge detector), and a cell shows
-mean ± std over the group's runs. Written per table: ``<name>.md`` (with the paper's numbers beside ours
-where the paper reports the row), ``<name>.csv`` (grouped), ``<name>.runs.csv`` (one row per run with its
-MLflow run id and git SHA) and ``<name>.runs.json`` (each run's resolved config and provenance tags).
+metric's per-step history of a run (last / mean of the last 3 evaluations / mean / sum / max, or the
+entropy-surge detector), and a cell shows mean ± std over the group's runs. Where the sweep has a BF16 arm, a
+second table gives each arm's per-seed paired differences against it with 95% t-intervals over the seeds.
+Written per table: ``<name>.md`` (with the paper's numbers beside ours where the paper reports the row),
+``<name>.csv`` (grouped), ``<name>.paired.csv`` (the paired differences), ``<name>.runs.csv`` (one row per
+run with its MLflow run id, git SHA and seed) and ``<name>.runs.json`` (each run's resolved config and
+provenance tags).
 """
 
 from __future__ import annotations
@@ -20,25 +23,53 @@ from typing import Any
 
 import pandas as pd
 
-from fp8rl.report.frames import Column, RunData, cells, grouped, load_runs, reduce_values, runs_frame
+from fp8rl.report.frames import (
+    CONFIDENCE,
+    Column,
+    RunData,
+    cells,
+    grouped,
+    load_runs,
+    paired_cells,
+    paired_differences,
+    reduce_values,
+    runs_frame,
+)
 from fp8rl.report.paper import PAPER_METRIC, PAPER_SCORES
 from fp8rl.report.surge import SurgeRule
 from fp8rl.tracking import store as runs
 
 SURGE_RULE = SurgeRule()
 TABLE_COLUMNS = (
-    Column("final eval acc", "eval/accuracy", "last"),
+    Column("acc (last 3 evals)", "eval/accuracy", "last3"),
+    Column("acc, BF16 eval (last 3)", "eval/bf16/accuracy", "last3"),
     Column("peak entropy", "rollout/entropy", "max"),
     Column("surge ratio", "rollout/entropy", "surge_ratio", "{:.2f}"),
     Column("surged", "rollout/entropy", "surged", "{:.2f}"),
-    Column("garbled (eval, final)", "eval/garbled_rate", "last"),
+    Column("garbled (eval, last 3)", "eval/garbled_rate", "last3"),
     Column("garbled (rollout, mean)", "rollout/garbled_rate", "mean", "{:.4f}"),
-    Column("response len (eval)", "eval/response_len", "last", "{:.2f}"),
+    Column("response len (rollout)", "rollout/response_len", "mean", "{:.2f}"),
     Column("clip/low_neg (mean)", "clip/low_neg", "mean", "{:.4f}"),
-    Column("overclip_neg (shadow steps)", "clip/overclip_neg", "mean", "{:.4f}"),
+    Column("overclip, CC out-of-sample", "clip/cc_oos_overclip_neg", "mean", "{:.4f}"),
+    Column("overclip, standard bounds", "clip/shadow_overclip_neg", "mean", "{:.4f}"),
+    Column("BF16 low_neg (shadow)", "clip/shadow_ref_low_neg", "mean", "{:.4f}"),
+    Column("calib ok", "clip/calib_ok", "sum", "{:.1f}"),
+    Column("calib alpha=0", "clip/calib_alpha_zero", "sum", "{:.1f}"),
+    Column("calib p unreachable", "clip/calib_p_unreachable", "sum", "{:.1f}"),
+    Column("pool A<0 tokens", "clip/shadow_neg_tokens", "mean", "{:.0f}"),
     Column("reward (mean)", "rollout/reward", "mean"),
     Column("token_mult_prob_error", "rollout/token_mult_prob_error", "mean", "{:.4f}"),
 )
+# Columns whose per-seed differences against BF16 (same seed) the tables test with a t-interval.
+PAIRED_LABELS = (
+    "acc (last 3 evals)",
+    "acc, BF16 eval (last 3)",
+    "clip/low_neg (mean)",
+    "garbled (rollout, mean)",
+    "reward (mean)",
+    "surge ratio",
+)
+REFERENCE_ARM = "bf16"
 
 
 def compare_name(key: str) -> str:
@@ -96,6 +127,10 @@ def write_table(
             "value to our task accuracy: compare orderings and gaps to BF16).",
         ]
     out_dir.mkdir(parents=True, exist_ok=True)
+    paired = _paired_section(per_run, names, columns)
+    if paired is not None:
+        lines += ["", *paired[0]]
+        paired[1].to_csv(out_dir / f"{stem}.paired.csv", index=False)
     md, csv_grouped, csv_runs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv", out_dir / f"{stem}.runs.csv"
     md.write_text("\n".join(lines) + "\n")
     table.to_csv(csv_grouped, index=False)
@@ -104,7 +139,23 @@ def write_table(
     records = [{"run_id": r.run_id, "run_name": r.name, "tags": r.tags, "config": r.params} for r in run_data]
     payload = {"mlflow": runs.display_uri(uri), "experiment": experiment, "runs": records}
     configs.write_text(json.dumps(_without_local_paths(payload), indent=1, sort_keys=True))
-    return [md, csv_grouped, csv_runs, configs]
+    return [md, csv_grouped, csv_runs, configs, *([out_dir / f"{stem}.paired.csv"] if paired is not None else [])]
+
+
+def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[Column]):
+    """(markdown lines, frame) of the per-seed differences against the BF16 arm, or None without one."""
+    if len(names) != 1 or REFERENCE_ARM not in set(per_run[names[0]]):
+        return None
+    labels = [c.label for c in columns if c.label in PAIRED_LABELS]
+    paired = paired_differences(per_run, names[0], REFERENCE_ARM, labels)
+    display = paired_cells(paired, names[0], [c for c in columns if c.label in labels])
+    text = [
+        f"Per-seed paired differences against `{REFERENCE_ARM}` (same seed): mean [{CONFIDENCE:.0%} t-interval over "
+        "the n seeds]; an interval that excludes 0 is a difference at that level, one that includes it is not.",
+        "",
+        display.to_markdown(index=False),
+    ]
+    return text, paired
 
 
 def _without_local_paths(value: Any) -> Any:
