@@ -202,28 +202,48 @@ def write_frame(frame: pd.DataFrame, out_dir: Path, stem: str, title: str) -> li
 
 
 # ------------------------------------------------------------------------------------------------ mechanism
-MECH_FULL_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("logp noise", "mech/logp_abs_noise", "{:.4f}"),
-    ("log-ratio std FP8", "mech/log_ratio_std", "{:.4f}"),
-    ("log-ratio std BF16", "mech/ref_log_ratio_std", "{:.4f}"),
-    ("low_neg FP8", "clip/low_neg", "{:.4f}"),
-    ("low_neg BF16", "clip/ref_low_neg", "{:.4f}"),
-    ("overclip_neg", "clip/overclip_neg", "{:.4f}"),
-    ("underclip_neg", "clip/underclip_neg", "{:.4f}"),
-    ("p FP8", "clip/p", "{:.3f}"),
-    ("p BF16", "clip/ref_p", "{:.3f}"),
-    ("clip precision", "clip/overlap_precision", "{:.2f}"),
-    ("clip recall", "clip/overlap_recall", "{:.2f}"),
-    ("CC low", "cc/low", "{:.3f}"),
-    ("CC high", "cc/high", "{:.3f}"),
-    ("CC low_neg", "cc/low_neg", "{:.4f}"),
-    ("CC overclip_neg", "cc/overclip_neg", "{:.4f}"),
-    ("CC p", "cc/p", "{:.3f}"),
-    ("CC precision", "cc/overlap_precision", "{:.2f}"),
-    ("CC recall", "cc/overlap_recall", "{:.2f}"),
-    ("neg tokens", "mech/neg_tokens", "{:.0f}"),
+# (label, metric, format, the metric holding the count a fraction is over: a Wilson 95% interval, or None)
+MECH_FULL_COLUMNS: tuple[tuple[str, str, str, str | None], ...] = (
+    ("log-ratio std BF16", "mech/ref_log_ratio_std", "{:.4f}", None),
+    ("log-ratio std FP8", "mech/log_ratio_std", "{:.4f}", None),
+    ("logp noise", "mech/logp_abs_noise", "{:.4f}", None),
+    ("low_neg FP8", "clip/low_neg", "{:.4f}", "mech/neg_tokens"),
+    ("low_neg BF16", "clip/ref_low_neg", "{:.4f}", "mech/neg_tokens"),
+    ("overclip_neg", "clip/overclip_neg", "{:.4f}", "mech/neg_tokens"),
+    ("underclip_neg", "clip/underclip_neg", "{:.4f}", "mech/neg_tokens"),
+    ("p FP8", "clip/p", "{:.3f}", None),
+    ("p BF16", "clip/ref_p", "{:.3f}", None),
+    ("clip precision", "clip/overlap_precision", "{:.2f}", None),
+    ("clip recall", "clip/overlap_recall", "{:.2f}", None),
+    ("CC low", "cc/low", "{:.3f}", None),
+    ("CC high", "cc/high", "{:.3f}", None),
+    ("CC low_neg (oos)", "cc/low_neg", "{:.4f}", "cc/neg_tokens"),
+    ("CC overclip_neg (oos)", "cc/overclip_neg", "{:.4f}", "cc/neg_tokens"),
+    ("CC p (oos)", "cc/p", "{:.3f}", None),
+    ("CC precision (oos)", "cc/overlap_precision", "{:.2f}", None),
+    ("CC recall (oos)", "cc/overlap_recall", "{:.2f}", None),
+    ("neg tokens", "mech/neg_tokens", "{:.0f}", None),
 )
-MECH_ORDER = ("bf16", "tensorwise", "rowwise", "blockwise", "mxfp8")
+MECH_ORDER = ("fp32", "bf16", "tensorwise", "rowwise", "blockwise", "mxfp8")
+
+
+def wilson_interval(fraction: float, n: float, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score 95% interval of a binomial share `fraction` of `n` trials."""
+    if n <= 0 or math.isnan(fraction):
+        return math.nan, math.nan
+    centre = (fraction + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(fraction * (1 - fraction) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _mech_cell(metrics: dict[str, float], key: str, fmt: str, n_key: str | None) -> str:
+    if key not in metrics:
+        return "-"
+    text = fmt.format(metrics[key])
+    if n_key is not None and n_key in metrics:
+        low, high = wilson_interval(metrics[key], metrics[n_key])
+        text += f" [{fmt.format(low)}, {fmt.format(high)}]"
+    return text
 
 
 def load_mechanism(experiment: str, tracking_uri: str | None = None) -> tuple[list[Any], str]:
@@ -240,6 +260,7 @@ def load_mechanism(experiment: str, tracking_uri: str | None = None) -> tuple[li
 
 
 def _cell_sort_key(run: Any) -> tuple:
+    """Variant, checkpoint, mode, recipe, then the measured BF16 log-ratio spread (the update's real size)."""
     p = run.data.params
     return (
         p["variant"] != "none",
@@ -247,7 +268,7 @@ def _cell_sort_key(run: Any) -> tuple:
         p["checkpoint"] != "early",
         p["mode"],
         MECH_ORDER.index(p["recipe"]) if p["recipe"] in MECH_ORDER else 99,
-        float(p["lr"]),
+        run.data.metrics.get("mech/ref_log_ratio_std", float(p["lr"])),
     )
 
 
@@ -257,7 +278,7 @@ def mechanism_markdown(cells: list[Any], mode: str, header: str) -> str:
     lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in sorted((r for r in cells if r.data.params["mode"] == mode), key=_cell_sort_key):
         p, m = run.data.params, run.data.metrics
-        values = [fmt.format(m[key]) if key in m else "-" for _, key, fmt in MECH_FULL_COLUMNS]
+        values = [_mech_cell(m, key, fmt, n_key) for _, key, fmt, n_key in MECH_FULL_COLUMNS]
         lines.append("| " + " | ".join([p["variant"], p["checkpoint"], p["recipe"], p["lr"], *values]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -267,13 +288,13 @@ def noise_markdown(cells: list[Any], header: str) -> str:
     table: dict[tuple[str, str], dict[str, tuple[float, list[float]]]] = {}
     for run in cells:
         p, m = run.data.params, run.data.metrics
-        if p["mode"] != "full" or p["recipe"] == "bf16":
+        if p["mode"] != "full" or p["recipe"] in ("bf16", "fp32"):
             continue
         row = table.setdefault((p["variant"], p["checkpoint"]), {})
         noise, overclips = row.get(p["recipe"], (m.get("mech/logp_abs_noise", math.nan), []))
         overclips.append(m.get("clip/overclip_neg", math.nan))
         row[p["recipe"]] = (noise, overclips)
-    recipes = [r for r in MECH_ORDER if r != "bf16" and any(r in row for row in table.values())]
+    recipes = [r for r in MECH_ORDER if r not in ("bf16", "fp32") and any(r in row for row in table.values())]
     head = ["variant", "checkpoint", *(f"{r}: noise / overclip_neg" for r in recipes)]
     lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (variant, checkpoint), row in sorted(table.items(), key=lambda kv: (kv[0][0] != "none", kv[0])):
@@ -310,9 +331,13 @@ def write_mechanism(experiment: str, out_dir: Path, tracking_uri: str | None = N
         f"git {', '.join(shas)}; "
         f"generated {time.strftime('%Y-%m-%d %H:%M %Z')}). One PPO mini-batch update (AdamW, lr as listed) "
         "from the checkpoint, ratios measured on the batch's other mini-batch; tokens of the study's GRPO "
-        "batches pooled. `overclip_neg`: negative-advantage tokens FP8 clips at 0.8 and BF16 does not, / all "
-        "negative tokens; `precision`/`recall`: overlap of the tokens FP8 clips with those BF16 clips; `CC`: "
-        "after Calibrated Clipping calibrated on the same tokens."
+        "batches pooled. Rows are ordered by the measured BF16 log-ratio spread (the update's real size; a "
+        "fresh AdamW's first step is sign descent, so lr does not map onto an RL run's); the `fp32` row is the "
+        "same without BF16 autocast (BF16's own noise floor shows against it). `overclip_neg`: "
+        "negative-advantage tokens FP8 clips at 0.8 and BF16 does not, / all negative tokens; "
+        "`precision`/`recall`: overlap of the tokens FP8 clips with those BF16 clips; `CC ... (oos)`: after "
+        "Calibrated Clipping calibrated on one batch and measured on another (out of sample). Fractions carry "
+        "Wilson 95% intervals over the negative tokens they count."
     )
     written = []
     for mode, what in (

@@ -76,12 +76,12 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------- log-probs
     def logprobs(
-        self, batch: RolloutBatch, recipe, grad: bool = False, policy: Policy | None = None
+        self, batch: RolloutBatch, recipe, grad: bool = False, policy: Policy | None = None, compute: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (log-prob, entropy) of the batch's responses, (rows, response_len), in `recipe` (None = BF16),
-        on every rank."""
+        on every rank; `compute` overrides the run's non-FP8 precision (the mechanism study's fp32 row)."""
         policy = policy or self.policy
-        with running_in(policy.module, recipe, self.plan.compute):
+        with running_in(policy.module, recipe, compute or self.plan.compute):
             return policy.logprobs(
                 batch.input_ids,
                 batch.attention_mask,

@@ -115,3 +115,11 @@ def test_figures_from_the_store(store: str, tmp_path: Path) -> None:
     assert main(["--tracking-uri", store, "--out", str(tmp_path), "figures"]) == 0
     assert (tmp_path / "figures" / "grpo_granularity-tiny_curves.png").stat().st_size > 10_000
     assert (tmp_path / "figures" / "grpo_granularity-tiny_curves.pdf").exists()
+
+
+def test_wilson_interval_of_a_clip_fraction() -> None:
+    low, high = tables.wilson_interval(0.0, 100)
+    assert low == 0.0 and high == pytest.approx(0.0370, abs=1e-4)  # no token clipped: still up to 3.7%
+    low, high = tables.wilson_interval(0.5, 100)
+    assert (low, high) == (pytest.approx(0.4038, abs=1e-4), pytest.approx(0.5962, abs=1e-4))
+    assert all(v != v for v in tables.wilson_interval(0.1, 0))  # no trials: NaN
