@@ -115,15 +115,16 @@ figures: setup
 
 # The CPU-scale collapse study (design and pre-registered endpoints in results/README.md): the lr pilot (the
 # noise-to-signal criterion), the positive control (BF16 + synthetic over-clipping, with BF16 seed 0 beside
-# it), then the study (3 arms x 3 seeds, 300 steps, two runs at a time on one thread each). The pilot's chosen
-# lr and noise floor are written into sweeps/experiment/collapse.yaml and arm/control_overclip.yaml.
-COLLAPSE = $(VENV)/bin/fp8rl sweep collapse --launcher local --scale tiny --max-parallel 2 trainer.threads=1 $(SWEEP_ARGS)
+# it), then the study (3 arms x 3 seeds, 300 steps): seed by seed, the 3 arms of a seed at once on one thread
+# each, so a study cut short holds whole seeds. The pilot's chosen lr and noise floor are written into
+# sweeps/experiment/collapse.yaml and arm/control_overclip.yaml.
+COLLAPSE = $(VENV)/bin/fp8rl sweep collapse --launcher local --scale tiny --max-parallel 3 trainer.threads=1 $(SWEEP_ARGS)
 COLLAPSE_REPORT = $(PY) -m fp8rl.studies.collapse --scale tiny --out results/tiny
 COLLAPSE_PILOT_LRS ?= 3e-6,1e-5,3e-5,1e-4
 COLLAPSE_CONTROL_STEPS ?= 100
 collapse-pilot: setup
 	$(COLLAPSE) +experiment/arm=fp8_tensorwise_kv algo.lr=$(COLLAPSE_PILOT_LRS) trainer.steps=10 trainer.shadow_every=1 \
-		eval.every=0 tracking.experiment=collapse_pilot-tiny
+		eval.every=0 eval.size=64 tracking.experiment=collapse_pilot-tiny
 	$(COLLAPSE_REPORT) pilot
 
 collapse-control: setup
@@ -132,7 +133,7 @@ collapse-control: setup
 	$(COLLAPSE_REPORT) control
 
 collapse: setup
-	$(COLLAPSE) trainer.seed=$(SEEDS)
+	for seed in $(subst $(comma), ,$(SEEDS)); do $(COLLAPSE) trainer.seed=$$seed || exit 1; done
 	$(REPORT) table collapse
 	$(COLLAPSE_REPORT) verdict
 

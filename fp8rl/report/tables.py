@@ -70,6 +70,18 @@ PAIRED_LABELS = (
     "surge ratio",
 )
 REFERENCE_ARM = "bf16"
+# Columns a table adds to TABLE_COLUMNS: the collapse study's junk rates (its task's own metric)
+EXTRA_COLUMNS = {
+    "collapse": (
+        Column("junk tokens (rollout, mean)", "rollout/junk_token_rate", "mean", "{:.4f}"),
+        Column("junk responses (rollout, mean)", "rollout/junk_response_rate", "mean", "{:.4f}"),
+    ),
+}
+
+
+def columns_of(experiment: str) -> tuple[Column, ...]:
+    """The columns of a table experiment's table."""
+    return (*TABLE_COLUMNS, *EXTRA_COLUMNS.get(experiment, ()))
 
 
 def compare_name(key: str) -> str:
