@@ -27,7 +27,7 @@ RECAL_K ?= $(if $(filter paper,$(SCALE)),10$(comma)20$(comma)40,2$(comma)5$(comm
 REPRO_SWEEP = $(VENV)/bin/fp8rl sweep --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(SWEEP_ARGS)
 REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 
-.PHONY: setup test test-fast test-distributed lint docs demo mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-check
+.PHONY: setup test test-fast test-distributed lint docs demo mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
 
 setup: $(STAMP)
 
@@ -112,6 +112,30 @@ stress: setup
 
 figures: setup
 	$(REPORT) figures
+
+# The CPU-scale collapse study (design and pre-registered endpoints in results/README.md): the lr pilot (the
+# noise-to-signal criterion), the positive control (BF16 + synthetic over-clipping, with BF16 seed 0 beside
+# it), then the study (3 arms x 3 seeds, 300 steps): seed by seed, the 3 arms of a seed at once on one thread
+# each, so a study cut short holds whole seeds. The pilot's chosen lr and noise floor are written into
+# sweeps/experiment/collapse.yaml and arm/control_overclip.yaml.
+COLLAPSE = $(VENV)/bin/fp8rl sweep collapse --launcher local --scale tiny --max-parallel 3 trainer.threads=1 $(SWEEP_ARGS)
+COLLAPSE_REPORT = $(PY) -m fp8rl.studies.collapse --scale tiny --out results/tiny
+COLLAPSE_PILOT_LRS ?= 3e-6,1e-5,3e-5,1e-4
+COLLAPSE_CONTROL_STEPS ?= 100
+collapse-pilot: setup
+	$(COLLAPSE) +experiment/arm=fp8_tensorwise_kv algo.lr=$(COLLAPSE_PILOT_LRS) trainer.steps=10 trainer.shadow_every=1 \
+		eval.every=0 eval.size=64 tracking.experiment=collapse_pilot-tiny
+	$(COLLAPSE_REPORT) pilot
+
+collapse-control: setup
+	$(COLLAPSE) +experiment/arm=control_overclip,bf16 trainer.steps=$(COLLAPSE_CONTROL_STEPS) \
+		tracking.experiment=collapse_control-tiny
+	$(COLLAPSE_REPORT) control
+
+collapse: setup
+	for seed in $(subst $(comma), ,$(SEEDS)); do $(COLLAPSE) trainer.seed=$$seed || exit 1; done
+	$(REPORT) table collapse
+	$(COLLAPSE_REPORT) verdict
 
 reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures
 	$(REPORT) index

@@ -63,11 +63,13 @@ class AlgoConfig:
     name: str = option("grpo", "label of the preset (grpo, dapo)")
     advantage: str = option("grpo", "advantage estimator (registry: grpo, rloo)")
     norm_adv_by_std: bool = option(True, "GRPO's std normalization; false = Dr.GRPO")
-    policy_loss: str = option("ppo_clip", "policy loss (registry: ppo_clip, dual_clip, cispo)")
+    policy_loss: str = option(
+        "dual_clip", "policy loss (registry: ppo_clip, dual_clip, cispo); verl's PPO loss is dual-clip, c = 3"
+    )
     eps_low: float = option(0.2, "standard lower clip bound is 1 - eps_low")
     eps_high: float = option(0.2, "standard upper clip bound is 1 + eps_high (DAPO clip-higher: 0.28)")
     dual_clip_c: float = option(3.0, "dual-clip constant c (policy_loss=dual_clip)")
-    loss_agg: str = option("seq-mean-token-mean", "loss aggregation (token-mean, seq-mean-token-mean, ...)")
+    loss_agg: str = option("token-mean", "loss aggregation (token-mean, seq-mean-token-mean, ...); verl's default")
     kl_coef: float = option(0.0, "weight of the KL penalty to the reference (start) policy; 0 = off")
     kl_type: str = option("low_var_kl", "KL estimator (registry: k1, k2, low_var_kl)")
     dynamic_sampling: bool = option(False, "DAPO: drop groups whose rewards are all equal")
@@ -180,9 +182,15 @@ class ClippingConfig:
     tis_cap: float = option(2.0, "TIS truncation C")
     mis_low: float = option(0.5, "MIS / IcePop: keep tokens whose rollout ratio is >= mis_low")
     mis_high: float = option(2.0, "MIS / IcePop: keep tokens whose rollout ratio is <= mis_high")
+    synthetic_overclip_std: float = option(
+        0.0,
+        "ablation (positive control), 0 = off: a negative-advantage token loses its gradient when its log-ratio "
+        "plus N(0, std^2) noise falls to log(clip low) or below, as FP8 noise of that size would do",
+    )
 
     def __post_init__(self) -> None:
         _require(self.interval >= 1, f"clipping.interval={self.interval} must be >= 1")
+        _require(self.synthetic_overclip_std >= 0, "clipping.synthetic_overclip_std must be >= 0")
         _require(0 <= self.ema < 1, f"clipping.ema={self.ema} must be in [0, 1)")
         _require(self.tis_cap > 0, f"clipping.tis_cap={self.tis_cap} must be > 0")
         _require(0 < self.mis_low < 1 < self.mis_high, "need 0 < clipping.mis_low < 1 < clipping.mis_high")
@@ -279,9 +287,17 @@ class TaskConfig:
     eval_paths: dict[str, str] = option({}, "math: benchmark -> local file or folder (default: the hub id)")
     chat_template: bool = option(True, "math: prompt with the tokenizer's chat template (false = raw prompt)")
     max_response_tokens: int | None = option(None, "math: response limit in tokens (None = the task's default)")
+    min_operands: int = option(4, "chain: fewest operands of a sum (its response lists the running sums)")
+    max_operands: int = option(9, "chain: most operands of a sum")
+    junk_tokens: int = option(16, "chain: vocabulary tokens that no prompt or answer uses (mass can leak there)")
 
     def __post_init__(self) -> None:
         _require(self.num_train >= 1 and self.num_eval >= 1, "task.num_train and task.num_eval must be >= 1")
+        _require(
+            2 <= self.min_operands <= self.max_operands,
+            f"need 2 <= task.min_operands <= task.max_operands, got {self.min_operands}, {self.max_operands}",
+        )
+        _require(0 <= self.junk_tokens <= 26, f"task.junk_tokens={self.junk_tokens} must be in 0..26 (letters)")
         _require(1 <= self.num_digits <= 9, f"task.num_digits={self.num_digits} must be in 1..9")
         object.__setattr__(self, "eval_sets", tuple(self.eval_sets))
 
@@ -316,9 +332,18 @@ class WarmStartConfig:
     seed: int = option(0, "SFT seed (model init and batches)")
     eval_batch_size: int = option(512, "prompts per greedy-decoding batch in the warm start's evaluation")
     cache_dir: str = option(".cache/warmstart", "where warm starts are cached")
+    stop_accuracy: float | None = option(
+        None, "stop early once greedy held-out accuracy reaches this (a partly right start); None = run all steps"
+    )
+    check_every: int = option(20, "steps between the accuracy checks of stop_accuracy")
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"warmstart.steps={self.steps} must be >= 0")
+        _require(
+            self.stop_accuracy is None or 0 < self.stop_accuracy <= 1,
+            f"warmstart.stop_accuracy={self.stop_accuracy} must be in (0, 1] or None",
+        )
+        _require(self.check_every >= 1, f"warmstart.check_every={self.check_every} must be >= 1")
         _one_of(self.precision, ("fp32", "bf16"), "warmstart.precision")
 
 
@@ -525,6 +550,12 @@ HASH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "warmstart.weight_decay": (0.0,),
     "warmstart.grad_clip": (1.0,),
     "warmstart.precision": ("bf16",),
+    "warmstart.stop_accuracy": (None,),
+    "warmstart.check_every": (20,),
+    "task.min_operands": (4,),
+    "task.max_operands": (9,),
+    "task.junk_tokens": (16,),
+    "clipping.synthetic_overclip_std": (0.0,),
 }
 # Fields renamed since runs were published: hashed under their old name.
 HASH_LEGACY_NAMES = {"eval.every": "trainer.eval_every", "eval.size": "trainer.eval_size"}
@@ -542,6 +573,18 @@ def hash_view(cfg: RunConfig) -> dict[str, Any]:
             continue
         view[HASH_LEGACY_NAMES.get(key, key)] = list(value) if isinstance(value, tuple) else value
     return view
+
+
+def without_neutral(section: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """A section's fields without those at their `HASH_NEUTRAL` value (e.g. for a cache key that must not change
+    when a field is added)."""
+    out = {}
+    for name, value in values.items():
+        key = f"{section}.{name}"
+        neutral = next((v for k, v in HASH_NEUTRAL.items() if key == k or (k.endswith(".") and key.startswith(k))), ())
+        if not _is_neutral(value, neutral):
+            out[name] = value
+    return out
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

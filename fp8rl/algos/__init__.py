@@ -51,6 +51,7 @@ from fp8rl.algos.diagnostics import (
     ratio_quantile_metrics,
     rollout_mismatch_metrics,
     sign_contributions,
+    synthetic_overclip_mask,
 )
 from fp8rl.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_loss, kl_penalty
 from fp8rl.algos.masked import Metrics, masked_mean, masked_quantiles, metrics_to_floats
@@ -110,6 +111,7 @@ __all__ = [
     "rloo_advantages",
     "rollout_mismatch_metrics",
     "sign_contributions",
+    "synthetic_overclip_mask",
     "solve_upper_bound",
     "standard_bounds",
 ]

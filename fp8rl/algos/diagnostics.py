@@ -209,3 +209,22 @@ def rollout_mismatch_metrics(
         "rollout/token_mult_prob_error": masked_mean(torch.exp(diff.abs()), mask),
         "rollout/k3_kl": masked_mean(torch.exp(diff) - 1 - diff, mask),  # k3 with r = pi_train / pi_rollout
     }
+
+
+@torch.no_grad()
+def synthetic_overclip_mask(
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    noise: torch.Tensor,
+    clip_low: float,
+) -> torch.Tensor:
+    """Negative-advantage tokens that noise of FP8's size would push out of the trust region (the positive
+    control of the collapse study, issue 18): A < 0, log r > log(clip_low) (BF16 keeps their gradient) and
+    log r + noise <= log(clip_low). All inputs (batch, response_len) (``adv`` may be (batch,)), ``noise`` drawn
+    by the caller (e.g. N(0, sigma^2) with sigma the measured FP8 log-ratio noise). Returns a bool mask."""
+    mask = as_bool_mask(response_mask)
+    adv = expand_adv(adv, log_ratio)
+    bound = torch.log(torch.tensor(float(clip_low), dtype=torch.float64)).item()
+    log_ratio = at_least_float32(log_ratio.detach())
+    return mask & (adv < 0) & (log_ratio > bound) & (log_ratio + noise.to(log_ratio.dtype) <= bound)

@@ -5,7 +5,7 @@
     loss_fn(logp, old_logp, adv, response_mask, *, clip_low, clip_high, agg="token-mean",
             rollout_logp=None, tis_cap=None, rollout_correction=None, mis_low=0.5, mis_high=2.0,
             ratio_ref=None, ref_clip_low=None, ref_clip_high=None, agg_norm_constant=None,
-            agg_denominator=None, diagnostics=True, **loss_kwargs) -> (loss, metrics)
+            agg_denominator=None, diagnostics=True, grad_zero_mask=None, **loss_kwargs) -> (loss, metrics)
 
 with logp / old_logp / rollout_logp / response_mask / ratio_ref of shape (batch, response_len), adv of
 shape (batch,) or (batch, response_len), bounds in *ratio* space (standard PPO: clip_low = 1 - eps_low,
@@ -31,7 +31,10 @@ pass ``"none"`` to only log the mismatch, or any registered name / list of names
 Project choices: log r is clamped to [-20, 20] before exp (as verl; beyond it the gradient is zero);
 16-bit log-probs are upcast to float32; the clip metrics use the mask after MIS rejection, the
 ``rollout/`` mismatch metrics the mask before. ``ratio_ref`` (the BF16 shadow ratio) adds the over-clip
-metrics, compared against [ref_clip_low, ref_clip_high] (default: [clip_low, clip_high]).
+metrics, compared against [ref_clip_low, ref_clip_high] (default: [clip_low, clip_high]). ``grad_zero_mask``
+(batch, response_len) bool, an ablation: those tokens keep their loss value but lose their gradient, as
+clipped tokens do (the synthetic over-clipping of ``diagnostics.synthetic_overclip_mask``); its share of the
+negative-advantage tokens is ``clip/synthetic_overclip_neg``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,15 @@ from fp8rl.algos.diagnostics import (
     ratio_quantile_metrics,
     rollout_mismatch_metrics,
 )
-from fp8rl.algos.masked import Metrics, as_bool_mask, at_least_float32, check_token_shapes, expand_adv, masked_mean
+from fp8rl.algos.masked import (
+    Metrics,
+    as_bool_mask,
+    at_least_float32,
+    check_token_shapes,
+    expand_adv,
+    masked_fraction,
+    masked_mean,
+)
 from fp8rl.algos.registry import Registry
 
 DEFAULT_DUAL_CLIP_C = 3.0
@@ -92,6 +103,7 @@ class PolicyLoss:
         agg_norm_constant: float | None = None,
         agg_denominator: float | None = None,
         diagnostics: bool = True,
+        grad_zero_mask: torch.Tensor | None = None,
         **loss_kwargs,
     ) -> tuple[torch.Tensor, Metrics]:
         token_tensors = {"logp": logp, "old_logp": old_logp, "response_mask": response_mask}
@@ -104,6 +116,11 @@ class PolicyLoss:
         log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = torch.exp(log_ratio)  # r = pi_theta / pi_old
         per_token_loss, surrogate_metrics = self.surrogate(ratio, adv, mask, clip_low, clip_high, **loss_kwargs)
+        if grad_zero_mask is not None:
+            zeroed = as_bool_mask(grad_zero_mask) & mask
+            per_token_loss = torch.where(zeroed, per_token_loss.detach(), per_token_loss)
+            negative = mask & (adv < 0)
+            surrogate_metrics["clip/synthetic_overclip_neg"] = masked_fraction(zeroed, negative)
 
         correction = apply_rollout_correction(
             old_logp, rollout_logp, mask, rollout_correction, tis_cap=tis_cap, mis_low=mis_low, mis_high=mis_high

@@ -24,6 +24,7 @@ TABLE_EXPERIMENTS = (
     "ablation_init_bounds",
     "ablation_lower_only",
     "stress_outliers",
+    "collapse",
 )
 
 
@@ -37,7 +38,8 @@ def _existing(experiments: list[str], uri: str) -> list[str]:
 def cmd_table(args: argparse.Namespace) -> list[Path]:
     written = []
     for experiment in args.experiments:
-        written += tables.write_table(f"{experiment}-{args.scale}", args.out, tracking_uri=args.tracking_uri)
+        columns = tables.columns_of(experiment)
+        written += tables.write_table(f"{experiment}-{args.scale}", args.out, columns, tracking_uri=args.tracking_uri)
     return written
 
 

@@ -6,7 +6,9 @@
 - `runs_frame`: one row per run: its id, name, git SHA, the grouping keys and each `Column` reduced over
   the run's steps (last / mean / max / min, or the entropy-surge detector);
 - `grouped`: pandas ``groupby().agg`` over the grouping keys: n, mean and sample std of every column;
-- `cells`: "mean ± std" strings for Markdown (``DataFrame.to_markdown``); CSVs come from ``to_csv``.
+- `cells`: "mean ± std" strings for Markdown (``DataFrame.to_markdown``); CSVs come from ``to_csv``;
+- `paired_differences`: per arm, the per-seed differences against a reference arm of the same seed (BF16),
+  their mean and a 95% t-interval over seeds (with n), which is the test the tables report, not seed spread.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+from scipy import stats
 
 from fp8rl.report.surge import SurgeRule, detect_surge
 from fp8rl.tracking import store
 
-REDUCTIONS = ("last", "mean", "max", "min", "surge_ratio", "surged")
+REDUCTIONS = ("last", "last3", "mean", "sum", "max", "min", "surge_ratio", "surged")
+SEED_KEYS = ("trainer.seed", "sweep.trainer.seed", "seed")  # where a run's seed is found (param or tag)
+CONFIDENCE = 0.95
 FALLBACK_GROUP_BY = ("algo", "precision", "recipe", "clipping")
 SURGE_RULE = SurgeRule()
 
@@ -108,9 +113,12 @@ def load_runs(
 
 
 def reduce_values(values: Sequence[float], reduce: str) -> float:
-    """One run's steps -> one number (NaN for a metric the run never logged)."""
+    """One run's steps -> one number (NaN for a metric the run never logged). ``last3``: the mean of the last
+    3 values (e.g. the last 3 evaluations)."""
     if not values:
         return math.nan
+    if reduce == "last3":
+        return float(pd.Series(values[-3:], dtype=float).mean())
     if reduce in ("surge_ratio", "surged"):
         if len(values) < 4:
             return math.nan
@@ -120,15 +128,28 @@ def reduce_values(values: Sequence[float], reduce: str) -> float:
     return float(series.iloc[-1] if reduce == "last" else getattr(series, reduce)())
 
 
+def run_seed(run: RunData) -> str:
+    """The run's seed (its ``trainer.seed`` param, else a seed tag), "" when it has none."""
+    for key in SEED_KEYS:
+        value = run.params.get(key, run.tags.get(key))
+        if value is not None:
+            return str(value)
+    return ""
+
+
 def runs_frame(run_data: Sequence[RunData], columns: Sequence[Column], group_by: Sequence[str]) -> pd.DataFrame:
-    """One row per run: run_id, run_name, git_sha, the grouping keys, each column's reduced value."""
+    """One row per run: run_id, run_name, git_sha, seed (unless a grouping key is the seed), the grouping keys,
+    each column's reduced value."""
+    seed = [] if "seed" in group_by else ["seed"]
     rows = []
     for run in run_data:
         row = {"run_id": run.run_id, "run_name": run.name, "git_sha": run.tags.get("git_sha", "")}
+        row.update({"seed": run_seed(run)} if seed else {})
         row.update(dict(zip(group_by, run.group, strict=True)))
         row.update({c.label: reduce_values(run.series(c.key), c.reduce) for c in columns})
         rows.append(row)
-    return pd.DataFrame(rows, columns=["run_id", "run_name", "git_sha", *group_by, *(c.label for c in columns)])
+    head = ["run_id", "run_name", "git_sha", *seed, *group_by]
+    return pd.DataFrame(rows, columns=[*head, *(c.label for c in columns)])
 
 
 def grouped(frame: pd.DataFrame, group_by: Sequence[str], columns: Sequence[Column]) -> pd.DataFrame:
@@ -157,3 +178,57 @@ def _cell(mean: float, std: float, n: int, fmt: str) -> str:
     if pd.isna(mean):
         return "-"
     return fmt.format(mean) if n < 2 else f"{fmt.format(mean)} ± {fmt.format(std)}"
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """(mean, low, high): the two-sided t-interval of the mean of `values` (NaN bounds below 2 values)."""
+    series = pd.Series(values, dtype=float).dropna()
+    n = len(series)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    mean = float(series.mean())
+    if n < 2:
+        return mean, math.nan, math.nan
+    half = float(stats.t.ppf((1 + confidence) / 2, n - 1) * series.std(ddof=1) / math.sqrt(n))
+    return mean, mean - half, mean + half
+
+
+def paired_differences(
+    frame: pd.DataFrame, group: str, reference: str, labels: Sequence[str], seed: str = "seed"
+) -> pd.DataFrame:
+    """Per group other than `reference` and per column label: the differences group - reference over the seeds
+    both have (pairs), their n, mean and 95% t-interval. Rows in order of first appearance."""
+    ref = frame[frame[group] == reference].drop_duplicates(seed).set_index(seed)
+    rows = []
+    for name in dict.fromkeys(frame[group]):
+        if name == reference:
+            continue
+        arm = frame[frame[group] == name].drop_duplicates(seed).set_index(seed)
+        seeds = [s for s in arm.index if s in ref.index]
+        for label in labels:
+            diffs = [arm.at[s, label] - ref.at[s, label] for s in seeds]
+            diffs = [d for d in diffs if not pd.isna(d)]
+            mean, low, high = t_interval(diffs)
+            rows.append({group: name, "metric": label, "n": len(diffs), "mean": mean, "ci_low": low, "ci_high": high})
+    return pd.DataFrame(rows, columns=[group, "metric", "n", "mean", "ci_low", "ci_high"])
+
+
+def paired_cells(paired: pd.DataFrame, group: str, columns: Sequence[Column]) -> pd.DataFrame:
+    """Display strings of `paired_differences`: one row per group, "mean [low, high]" per column label."""
+    fmt = {c.label: c.fmt for c in columns}
+    most = paired.groupby(group, sort=False)["n"].max()
+    out: dict[str, dict[str, Any]] = {}
+    for row in paired.itertuples(index=False):
+        name, label = getattr(row, group), row.metric
+        cell = "-" if pd.isna(row.mean) else _signed(fmt[label], row.mean)
+        if not pd.isna(row.ci_low):
+            cell += f" [{_signed(fmt[label], row.ci_low)}, {_signed(fmt[label], row.ci_high)}]"
+        if row.n != most[name] and not pd.isna(row.mean):
+            cell += f" (n={row.n})"
+        out.setdefault(name, {group: name, "n": int(most[name])})[label] = cell
+    return pd.DataFrame(list(out.values()))
+
+
+def _signed(fmt: str, value: float) -> str:
+    text = fmt.format(value)
+    return text if text.startswith("-") else "+" + text

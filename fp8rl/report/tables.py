@@ -1,10 +1,13 @@
 """Paper tables from the finished runs of a sweep, and the mechanism study's tables, read from MLflow.
 
 A table experiment's runs are grouped by the sweep's axes (seeds left out); each column reduces one
-metric's per-step history of a run (last / mean / max, or the entropy-surge detector), and a cell shows
-mean ± std over the group's runs. Written per table: ``<name>.md`` (with the paper's numbers beside ours
-where the paper reports the row), ``<name>.csv`` (grouped), ``<name>.runs.csv`` (one row per run with its
-MLflow run id and git SHA) and ``<name>.runs.json`` (each run's resolved config and provenance tags).
+metric's per-step history of a run (last / mean of the last 3 evaluations / mean / sum / max, or the
+entropy-surge detector), and a cell shows mean ± std over the group's runs. Where the sweep has a BF16 arm, a
+second table gives each arm's per-seed paired differences against it with 95% t-intervals over the seeds.
+Written per table: ``<name>.md`` (with the paper's numbers beside ours where the paper reports the row),
+``<name>.csv`` (grouped), ``<name>.paired.csv`` (the paired differences), ``<name>.runs.csv`` (one row per
+run with its MLflow run id, git SHA and seed) and ``<name>.runs.json`` (each run's resolved config and
+provenance tags).
 """
 
 from __future__ import annotations
@@ -20,25 +23,65 @@ from typing import Any
 
 import pandas as pd
 
-from fp8rl.report.frames import Column, RunData, cells, grouped, load_runs, reduce_values, runs_frame
+from fp8rl.report.frames import (
+    CONFIDENCE,
+    Column,
+    RunData,
+    cells,
+    grouped,
+    load_runs,
+    paired_cells,
+    paired_differences,
+    reduce_values,
+    runs_frame,
+)
 from fp8rl.report.paper import PAPER_METRIC, PAPER_SCORES
 from fp8rl.report.surge import SurgeRule
 from fp8rl.tracking import store as runs
 
 SURGE_RULE = SurgeRule()
 TABLE_COLUMNS = (
-    Column("final eval acc", "eval/accuracy", "last"),
+    Column("acc (last 3 evals)", "eval/accuracy", "last3"),
+    Column("acc, BF16 eval (last 3)", "eval/bf16/accuracy", "last3"),
     Column("peak entropy", "rollout/entropy", "max"),
     Column("surge ratio", "rollout/entropy", "surge_ratio", "{:.2f}"),
     Column("surged", "rollout/entropy", "surged", "{:.2f}"),
-    Column("garbled (eval, final)", "eval/garbled_rate", "last"),
+    Column("garbled (eval, last 3)", "eval/garbled_rate", "last3"),
     Column("garbled (rollout, mean)", "rollout/garbled_rate", "mean", "{:.4f}"),
-    Column("response len (eval)", "eval/response_len", "last", "{:.2f}"),
+    Column("response len (rollout)", "rollout/response_len", "mean", "{:.2f}"),
     Column("clip/low_neg (mean)", "clip/low_neg", "mean", "{:.4f}"),
-    Column("overclip_neg (shadow steps)", "clip/overclip_neg", "mean", "{:.4f}"),
+    Column("overclip, CC out-of-sample", "clip/cc_oos_overclip_neg", "mean", "{:.4f}"),
+    Column("overclip, standard bounds", "clip/shadow_overclip_neg", "mean", "{:.4f}"),
+    Column("BF16 low_neg (shadow)", "clip/shadow_ref_low_neg", "mean", "{:.4f}"),
+    Column("calib ok", "clip/calib_ok", "sum", "{:.1f}"),
+    Column("calib alpha=0", "clip/calib_alpha_zero", "sum", "{:.1f}"),
+    Column("calib p unreachable", "clip/calib_p_unreachable", "sum", "{:.1f}"),
+    Column("pool A<0 tokens", "clip/shadow_neg_tokens", "mean", "{:.0f}"),
     Column("reward (mean)", "rollout/reward", "mean"),
     Column("token_mult_prob_error", "rollout/token_mult_prob_error", "mean", "{:.4f}"),
 )
+# Columns whose per-seed differences against BF16 (same seed) the tables test with a t-interval.
+PAIRED_LABELS = (
+    "acc (last 3 evals)",
+    "acc, BF16 eval (last 3)",
+    "clip/low_neg (mean)",
+    "garbled (rollout, mean)",
+    "reward (mean)",
+    "surge ratio",
+)
+REFERENCE_ARM = "bf16"
+# Columns a table adds to TABLE_COLUMNS: the collapse study's junk rates (its task's own metric)
+EXTRA_COLUMNS = {
+    "collapse": (
+        Column("junk tokens (rollout, mean)", "rollout/junk_token_rate", "mean", "{:.4f}"),
+        Column("junk responses (rollout, mean)", "rollout/junk_response_rate", "mean", "{:.4f}"),
+    ),
+}
+
+
+def columns_of(experiment: str) -> tuple[Column, ...]:
+    """The columns of a table experiment's table."""
+    return (*TABLE_COLUMNS, *EXTRA_COLUMNS.get(experiment, ()))
 
 
 def compare_name(key: str) -> str:
@@ -96,6 +139,10 @@ def write_table(
             "value to our task accuracy: compare orderings and gaps to BF16).",
         ]
     out_dir.mkdir(parents=True, exist_ok=True)
+    paired = _paired_section(per_run, names, columns)
+    if paired is not None:
+        lines += ["", *paired[0]]
+        paired[1].to_csv(out_dir / f"{stem}.paired.csv", index=False)
     md, csv_grouped, csv_runs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv", out_dir / f"{stem}.runs.csv"
     md.write_text("\n".join(lines) + "\n")
     table.to_csv(csv_grouped, index=False)
@@ -104,7 +151,23 @@ def write_table(
     records = [{"run_id": r.run_id, "run_name": r.name, "tags": r.tags, "config": r.params} for r in run_data]
     payload = {"mlflow": runs.display_uri(uri), "experiment": experiment, "runs": records}
     configs.write_text(json.dumps(_without_local_paths(payload), indent=1, sort_keys=True))
-    return [md, csv_grouped, csv_runs, configs]
+    return [md, csv_grouped, csv_runs, configs, *([out_dir / f"{stem}.paired.csv"] if paired is not None else [])]
+
+
+def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[Column]):
+    """(markdown lines, frame) of the per-seed differences against the BF16 arm, or None without one."""
+    if len(names) != 1 or REFERENCE_ARM not in set(per_run[names[0]]):
+        return None
+    labels = [c.label for c in columns if c.label in PAIRED_LABELS]
+    paired = paired_differences(per_run, names[0], REFERENCE_ARM, labels)
+    display = paired_cells(paired, names[0], [c for c in columns if c.label in labels])
+    text = [
+        f"Per-seed paired differences against `{REFERENCE_ARM}` (same seed): mean [{CONFIDENCE:.0%} t-interval over "
+        "the n seeds]; an interval that excludes 0 is a difference at that level, one that includes it is not.",
+        "",
+        display.to_markdown(index=False),
+    ]
+    return text, paired
 
 
 def _without_local_paths(value: Any) -> Any:
@@ -151,28 +214,48 @@ def write_frame(frame: pd.DataFrame, out_dir: Path, stem: str, title: str) -> li
 
 
 # ------------------------------------------------------------------------------------------------ mechanism
-MECH_FULL_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("logp noise", "mech/logp_abs_noise", "{:.4f}"),
-    ("log-ratio std FP8", "mech/log_ratio_std", "{:.4f}"),
-    ("log-ratio std BF16", "mech/ref_log_ratio_std", "{:.4f}"),
-    ("low_neg FP8", "clip/low_neg", "{:.4f}"),
-    ("low_neg BF16", "clip/ref_low_neg", "{:.4f}"),
-    ("overclip_neg", "clip/overclip_neg", "{:.4f}"),
-    ("underclip_neg", "clip/underclip_neg", "{:.4f}"),
-    ("p FP8", "clip/p", "{:.3f}"),
-    ("p BF16", "clip/ref_p", "{:.3f}"),
-    ("clip precision", "clip/overlap_precision", "{:.2f}"),
-    ("clip recall", "clip/overlap_recall", "{:.2f}"),
-    ("CC low", "cc/low", "{:.3f}"),
-    ("CC high", "cc/high", "{:.3f}"),
-    ("CC low_neg", "cc/low_neg", "{:.4f}"),
-    ("CC overclip_neg", "cc/overclip_neg", "{:.4f}"),
-    ("CC p", "cc/p", "{:.3f}"),
-    ("CC precision", "cc/overlap_precision", "{:.2f}"),
-    ("CC recall", "cc/overlap_recall", "{:.2f}"),
-    ("neg tokens", "mech/neg_tokens", "{:.0f}"),
+# (label, metric, format, the metric holding the count a fraction is over: a Wilson 95% interval, or None)
+MECH_FULL_COLUMNS: tuple[tuple[str, str, str, str | None], ...] = (
+    ("log-ratio std BF16", "mech/ref_log_ratio_std", "{:.4f}", None),
+    ("log-ratio std FP8", "mech/log_ratio_std", "{:.4f}", None),
+    ("logp noise", "mech/logp_abs_noise", "{:.4f}", None),
+    ("low_neg FP8", "clip/low_neg", "{:.4f}", "mech/neg_tokens"),
+    ("low_neg BF16", "clip/ref_low_neg", "{:.4f}", "mech/neg_tokens"),
+    ("overclip_neg", "clip/overclip_neg", "{:.4f}", "mech/neg_tokens"),
+    ("underclip_neg", "clip/underclip_neg", "{:.4f}", "mech/neg_tokens"),
+    ("p FP8", "clip/p", "{:.3f}", None),
+    ("p BF16", "clip/ref_p", "{:.3f}", None),
+    ("clip precision", "clip/overlap_precision", "{:.2f}", None),
+    ("clip recall", "clip/overlap_recall", "{:.2f}", None),
+    ("CC low", "cc/low", "{:.3f}", None),
+    ("CC high", "cc/high", "{:.3f}", None),
+    ("CC low_neg (oos)", "cc/low_neg", "{:.4f}", "cc/neg_tokens"),
+    ("CC overclip_neg (oos)", "cc/overclip_neg", "{:.4f}", "cc/neg_tokens"),
+    ("CC p (oos)", "cc/p", "{:.3f}", None),
+    ("CC precision (oos)", "cc/overlap_precision", "{:.2f}", None),
+    ("CC recall (oos)", "cc/overlap_recall", "{:.2f}", None),
+    ("neg tokens", "mech/neg_tokens", "{:.0f}", None),
 )
-MECH_ORDER = ("bf16", "tensorwise", "rowwise", "blockwise", "mxfp8")
+MECH_ORDER = ("fp32", "bf16", "tensorwise", "rowwise", "blockwise", "mxfp8")
+
+
+def wilson_interval(fraction: float, n: float, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score 95% interval of a binomial share `fraction` of `n` trials."""
+    if n <= 0 or math.isnan(fraction):
+        return math.nan, math.nan
+    centre = (fraction + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(fraction * (1 - fraction) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _mech_cell(metrics: dict[str, float], key: str, fmt: str, n_key: str | None) -> str:
+    if key not in metrics:
+        return "-"
+    text = fmt.format(metrics[key])
+    if n_key is not None and n_key in metrics:
+        low, high = wilson_interval(metrics[key], metrics[n_key])
+        text += f" [{fmt.format(low)}, {fmt.format(high)}]"
+    return text
 
 
 def load_mechanism(experiment: str, tracking_uri: str | None = None) -> tuple[list[Any], str]:
@@ -189,6 +272,7 @@ def load_mechanism(experiment: str, tracking_uri: str | None = None) -> tuple[li
 
 
 def _cell_sort_key(run: Any) -> tuple:
+    """Variant, checkpoint, mode, recipe, then the measured BF16 log-ratio spread (the update's real size)."""
     p = run.data.params
     return (
         p["variant"] != "none",
@@ -196,7 +280,7 @@ def _cell_sort_key(run: Any) -> tuple:
         p["checkpoint"] != "early",
         p["mode"],
         MECH_ORDER.index(p["recipe"]) if p["recipe"] in MECH_ORDER else 99,
-        float(p["lr"]),
+        run.data.metrics.get("mech/ref_log_ratio_std", float(p["lr"])),
     )
 
 
@@ -206,7 +290,7 @@ def mechanism_markdown(cells: list[Any], mode: str, header: str) -> str:
     lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in sorted((r for r in cells if r.data.params["mode"] == mode), key=_cell_sort_key):
         p, m = run.data.params, run.data.metrics
-        values = [fmt.format(m[key]) if key in m else "-" for _, key, fmt in MECH_FULL_COLUMNS]
+        values = [_mech_cell(m, key, fmt, n_key) for _, key, fmt, n_key in MECH_FULL_COLUMNS]
         lines.append("| " + " | ".join([p["variant"], p["checkpoint"], p["recipe"], p["lr"], *values]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -216,13 +300,13 @@ def noise_markdown(cells: list[Any], header: str) -> str:
     table: dict[tuple[str, str], dict[str, tuple[float, list[float]]]] = {}
     for run in cells:
         p, m = run.data.params, run.data.metrics
-        if p["mode"] != "full" or p["recipe"] == "bf16":
+        if p["mode"] != "full" or p["recipe"] in ("bf16", "fp32"):
             continue
         row = table.setdefault((p["variant"], p["checkpoint"]), {})
         noise, overclips = row.get(p["recipe"], (m.get("mech/logp_abs_noise", math.nan), []))
         overclips.append(m.get("clip/overclip_neg", math.nan))
         row[p["recipe"]] = (noise, overclips)
-    recipes = [r for r in MECH_ORDER if r != "bf16" and any(r in row for row in table.values())]
+    recipes = [r for r in MECH_ORDER if r not in ("bf16", "fp32") and any(r in row for row in table.values())]
     head = ["variant", "checkpoint", *(f"{r}: noise / overclip_neg" for r in recipes)]
     lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (variant, checkpoint), row in sorted(table.items(), key=lambda kv: (kv[0][0] != "none", kv[0])):
@@ -259,9 +343,13 @@ def write_mechanism(experiment: str, out_dir: Path, tracking_uri: str | None = N
         f"git {', '.join(shas)}; "
         f"generated {time.strftime('%Y-%m-%d %H:%M %Z')}). One PPO mini-batch update (AdamW, lr as listed) "
         "from the checkpoint, ratios measured on the batch's other mini-batch; tokens of the study's GRPO "
-        "batches pooled. `overclip_neg`: negative-advantage tokens FP8 clips at 0.8 and BF16 does not, / all "
-        "negative tokens; `precision`/`recall`: overlap of the tokens FP8 clips with those BF16 clips; `CC`: "
-        "after Calibrated Clipping calibrated on the same tokens."
+        "batches pooled. Rows are ordered by the measured BF16 log-ratio spread (the update's real size; a "
+        "fresh AdamW's first step is sign descent, so lr does not map onto an RL run's); the `fp32` row is the "
+        "same without BF16 autocast (BF16's own noise floor shows against it). `overclip_neg`: "
+        "negative-advantage tokens FP8 clips at 0.8 and BF16 does not, / all negative tokens; "
+        "`precision`/`recall`: overlap of the tokens FP8 clips with those BF16 clips; `CC ... (oos)`: after "
+        "Calibrated Clipping calibrated on one batch and measured on another (out of sample). Fractions carry "
+        "Wilson 95% intervals over the negative tokens they count."
     )
     written = []
     for mode, what in (

@@ -7,16 +7,21 @@ mini-batch would see are measured (update on half of a GRPO batch, measure on th
 ``algo.num_minibatches=2``):
 
 - full pipeline (``mode=full``): old and new log-probs in the recipe (FP8 forward and backward), beside
-  the BF16 shadow of the same weights (the ratio BF16 would have computed);
+  the BF16 shadow of the same weights (the ratio BF16 would have computed); the ``fp32`` row does the same
+  without autocast, so BF16's own noise floor shows against it;
 - mismatched (``mode=mismatch``): old log-probs from an FP8 rollout engine (the recipe), new ones from a
   BF16 trainer after a BF16 update, beside the all-BF16 ratio.
 
 Per cell: the spread of the log-ratio (FP8 and BF16 shadow), the raw log-prob noise, ``clip/low_neg``
 (FP8 and BF16), the over-/under-clip rates of negative-advantage tokens against BF16, p = positive /
-negative contribution, each also after Calibrated Clipping calibrated on the same tokens, and the overlap
-(precision, recall) of the tokens FP8 clips with the tokens BF16 clips. Tokens of ``batches`` GRPO batches
-are pooled. Every cell is one MLflow run (experiment ``mechanism-tiny``) with its ratio histograms split
-by advantage sign as an artifact; ``fp8rl.report`` builds the table and figures from those runs.
+negative contribution, each also after Calibrated Clipping, and the overlap (precision, recall) of the
+tokens FP8 clips with the tokens BF16 clips. Tokens of ``batches`` GRPO batches are pooled; Calibrated
+Clipping is measured out of sample: calibrated on one batch's tokens, evaluated on another's (and the other
+way round; the mean). Cells are read by the measured BF16 log-ratio spread, not by lr: a fresh AdamW's first
+step is sign descent (every parameter moves by about lr), so its lr does not map onto an RL run's, whose
+``clip/shadow_ref_log_ratio_std`` locates it in these tables. Every cell is one MLflow run (experiment
+``mechanism-tiny``) with its ratio histograms split by advantage sign as an artifact; ``fp8rl.report`` builds
+the table and figures from those runs.
 
 Variants: the model as trained, and the same weights with injected activation outlier channels
 (`fp8rl.models.outliers`, function-preserving), to test the granularity ordering on a model that has
@@ -48,7 +53,8 @@ from fp8rl.quant import get_recipe
 from fp8rl.trainer import checkpoint as ckpt
 from fp8rl.trainer.loop import RLTrainer
 
-RECIPES = ("bf16", "tensorwise", "rowwise", "blockwise", "mxfp8")
+RECIPES = ("bf16", "fp32", "tensorwise", "rowwise", "blockwise", "mxfp8")
+REFERENCE_RECIPES = ("bf16", "fp32")  # not FP8: no mismatched cells, no noise scan
 HIST_EDGES = torch.linspace(-0.3, 0.3, 61)
 
 
@@ -64,6 +70,7 @@ class MechanismConfig:
     outliers: tuple[tuple[int, float], ...] = ((0, 1.0), (4, 32768.0))
     noise_scan: tuple[float, ...] = (1.0, 32.0, 1024.0, 8192.0, 32768.0, 131072.0)  # outlier scales, 4 channels
     outlier_method: str = "input_channel_scale"  # fp8rl.models.outliers (part of the key: results depend on it)
+    cc_fit: str = "other_batch"  # Calibrated Clipping calibrated on one batch, measured on another (part of the key)
     batches: int = 2  # GRPO batches pooled per cell
     prompts: int = 64  # prompts per batch (x group size 8 = 512 sequences; update on 256, measure on 256)
     late_steps: int = 40  # BF16 RL steps before the "late" checkpoint (the tiny scale's run length)
@@ -96,7 +103,8 @@ class Cell:
 
 @dataclass
 class Tokens:
-    """Pooled per-token tensors of one cell, shaped (1, N) so the (batch, len) metric functions apply."""
+    """Per-token tensors of one cell, one entry per batch; ``cat`` pools (some of) them, shaped (1, N) so the
+    (batch, len) metric functions apply."""
 
     ratio: list[torch.Tensor] = field(default_factory=list)
     ratio_ref: list[torch.Tensor] = field(default_factory=list)
@@ -110,8 +118,11 @@ class Tokens:
         self.adv.append(adv[:, None].expand_as(ratio)[keep])
         self.noise.append(noise[keep])
 
-    def cat(self) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.cat(x)[None, :] for x in (self.ratio, self.ratio_ref, self.adv, self.noise))
+    def cat(self, parts: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+        """(ratio, ratio_ref, adv, noise) of the batches `parts` (default all), each (1, N)."""
+        pick = range(len(self.adv)) if parts is None else parts
+        fields = (self.ratio, self.ratio_ref, self.adv, self.noise)
+        return tuple(torch.cat([x[i] for i in pick])[None, :] for x in fields)
 
 
 def base_config(mcfg: MechanismConfig, out_dir: Path) -> RunConfig:
@@ -147,7 +158,12 @@ def study_trainer(mcfg: MechanismConfig) -> RLTrainer:
 
 
 def recipe_of(name: str):
-    return None if name == "bf16" else get_recipe(name)
+    return None if name in REFERENCE_RECIPES else get_recipe(name)
+
+
+def compute_of(name: str) -> str:
+    """The non-FP8 precision of a row: fp32 for the fp32 row, BF16 autocast for every other."""
+    return "fp32" if name == "fp32" else "bf16"
 
 
 def sample_batches(trainer: RLTrainer, mcfg: MechanismConfig) -> list[dict[str, Any]]:
@@ -164,18 +180,23 @@ def sample_batches(trainer: RLTrainer, mcfg: MechanismConfig) -> list[dict[str, 
 def old_logprobs(trainer: RLTrainer, batches: list[dict], recipes: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
     """Log-probs of the measured rows at the checkpoint, per recipe (the FP8 rollout engine / old policy)."""
     return [
-        {r: trainer.logprobs(b["batch"].select(b["measure"]), recipe_of(r), grad=False)[0] for r in recipes}
+        {
+            r: trainer.logprobs(b["batch"].select(b["measure"]), recipe_of(r), grad=False, compute=compute_of(r))[0]
+            for r in recipes
+        }
         for b in batches
     ]
 
 
-def one_update(trainer: RLTrainer, state: dict, b: dict, recipe, lr: float, eps: tuple[float, float]) -> None:
+def one_update(
+    trainer: RLTrainer, state: dict, b: dict, recipe, lr: float, eps: tuple[float, float], compute: str = "bf16"
+) -> None:
     """Restore `state`, take one AdamW step of the PPO-clip loss on the update rows in `recipe`."""
     trainer.model.load_state_dict(state)
     optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=lr, weight_decay=0.0)
     mb = b["batch"].select(b["update"])
     adv = b["adv"][b["update"]]
-    logp, _ = trainer.logprobs(mb, recipe, grad=True)
+    logp, _ = trainer.logprobs(mb, recipe, grad=True, compute=compute)
     loss = algos.get_policy_loss("ppo_clip")(  # first mini-batch: old = current weights, ratio 1
         logp, logp.detach(), adv, mb.response_mask, clip_low=1 - eps[0], clip_high=1 + eps[1], agg="token-mean"
     )[0]
@@ -198,16 +219,37 @@ def cell_metrics(tokens: Tokens, eps: tuple[float, float]) -> dict[str, float]:
     m.update(algos.clip_fraction_metrics(ratio, adv, mask, low, high))
     m.update(algos.overclip_metrics(ratio_ref, ratio, adv, mask, low, high, low, high))
     m.update(algos.clip_overlap_metrics(ratio_ref, ratio, adv, mask, low, low))
-    cal = algos.calibrate(ratio_ref, ratio, adv, mask, eps[0], eps[1])
-    cc_low, cc_high = cal.bounds
-    after = {
-        **algos.clip_fraction_metrics(ratio, adv, mask, cc_low, cc_high),
-        **algos.overclip_metrics(ratio_ref, ratio, adv, mask, cc_low, cc_high, low, high),
-        **algos.clip_overlap_metrics(ratio_ref, ratio, adv, mask, cc_low, low),
-    }
-    m.update({f"cc/{k.split('/', 1)[1]}": v for k, v in after.items() if not k.startswith("clip/ref")})
-    m.update({"cc/low": cc_low, "cc/high": cc_high, "cc/status": float(int(cal.status))})
+    m.update(cc_out_of_sample(tokens, eps))
     return {k: float(v) for k, v in algos.metrics_to_floats(m).items()}
+
+
+def cc_out_of_sample(tokens: Tokens, eps: tuple[float, float]) -> dict[str, Any]:
+    """Calibrated Clipping calibrated on one batch's tokens and measured on another's, for each ordered pair of
+    (consecutive) batches; the mean over the pairs (``cc/*``), with the held-out negative tokens counted."""
+    n = len(tokens.adv)
+    if n < 2:
+        raise ValueError("out-of-sample calibration needs at least 2 batches (MechanismConfig.batches)")
+    low_std, high_std = 1 - eps[0], 1 + eps[1]
+    results = []
+    for fit in range(n):
+        held = (fit + 1) % n
+        fit_ratio, fit_ref, fit_adv, _ = tokens.cat([fit])
+        ratio, ratio_ref, adv, _ = tokens.cat([held])
+        cal = algos.calibrate(fit_ref, fit_ratio, fit_adv, torch.ones_like(fit_ratio, dtype=torch.bool), *eps)
+        low, high = cal.bounds
+        mask = torch.ones_like(ratio, dtype=torch.bool)
+        after = {
+            **algos.clip_fraction_metrics(ratio, adv, mask, low, high),
+            **algos.overclip_metrics(ratio_ref, ratio, adv, mask, low, high, low_std, high_std),
+            **algos.clip_overlap_metrics(ratio_ref, ratio, adv, mask, low, low_std),
+        }
+        row = {f"cc/{k.split('/', 1)[1]}": float(v) for k, v in after.items() if not k.startswith("clip/ref")}
+        row.update({"cc/low": low, "cc/high": high, "cc/status": float(int(cal.status))})
+        row["cc/neg_tokens"] = float((adv < 0).sum())
+        results.append(row)
+    out = {k: sum(r[k] for r in results) / len(results) for k in results[0] if k != "cc/neg_tokens"}
+    out["cc/neg_tokens"] = sum(r["cc/neg_tokens"] for r in results)
+    return out
 
 
 def histograms(tokens: Tokens) -> dict[str, Any]:
@@ -226,16 +268,21 @@ def measure_cell(trainer, state, batches, olds, cell: Cell, eps, bf16_updates: d
     mismatched cells and the BF16 cell share the same BF16 update."""
     tokens = Tokens()
     train_recipe = recipe_of(cell.recipe) if cell.mode == "full" else None
+    compute = compute_of(cell.recipe) if cell.mode == "full" else "bf16"
+    shares_bf16_update = train_recipe is None and compute == "bf16"
     for i, (b, old) in enumerate(zip(batches, olds, strict=True)):
         mb = b["batch"].select(b["measure"])
-        if train_recipe is None and (cell.lr, i) in bf16_updates:
+        if shares_bf16_update and (cell.lr, i) in bf16_updates:
             new_ref = bf16_updates[(cell.lr, i)]
         else:
-            one_update(trainer, state, b, train_recipe, cell.lr, eps)
+            one_update(trainer, state, b, train_recipe, cell.lr, eps, compute)
             new_ref, _ = trainer.logprobs(mb, None, grad=False)
-            if train_recipe is None:
+            if shares_bf16_update:
                 bf16_updates[(cell.lr, i)] = new_ref
-        new = trainer.logprobs(mb, train_recipe, grad=False)[0] if train_recipe is not None else new_ref
+        if shares_bf16_update:
+            new = new_ref
+        else:
+            new = trainer.logprobs(mb, train_recipe, grad=False, compute=compute)[0]
         ratio = torch.exp(new - old[cell.recipe])
         ratio_ref = torch.exp(new_ref - old["bf16"])
         tokens.add(ratio, ratio_ref, b["adv"][b["measure"]], old[cell.recipe] - old["bf16"], mb.response_mask)
@@ -261,7 +308,7 @@ def scan_noise(trainer: RLTrainer, state: dict, batches: list[dict], mcfg: Mecha
     remove_activation_outliers(trainer.model)
     out = {}
     for recipe in mcfg.recipes:
-        if recipe == "bf16":
+        if recipe in REFERENCE_RECIPES:
             continue
         diffs = [
             (o[recipe] - o["bf16"])[b["batch"].select(b["measure"]).response_mask.bool()]
@@ -274,7 +321,8 @@ def scan_noise(trainer: RLTrainer, state: dict, batches: list[dict], mcfg: Mecha
 
 def cells_for(mcfg: MechanismConfig, variant: str, checkpoint: str) -> list[Cell]:
     full = [Cell(variant, checkpoint, "full", r, lr) for r in mcfg.recipes for lr in mcfg.lrs]
-    mismatch = [Cell(variant, checkpoint, "mismatch", r, lr) for r in mcfg.recipes if r != "bf16" for lr in mcfg.lrs]
+    fp8 = [r for r in mcfg.recipes if r not in REFERENCE_RECIPES]
+    mismatch = [Cell(variant, checkpoint, "mismatch", r, lr) for r in fp8 for lr in mcfg.lrs]
     return full + mismatch
 
 

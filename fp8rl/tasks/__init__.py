@@ -1,7 +1,8 @@
 """Verifiable-reward tasks: problems, tokenizers, rewards and garbled-output detection.
 
 Tasks register by name (``build_task(TaskConfig(name="arithmetic"))``); importing this package registers
-the built-in ones: ``arithmetic`` (the tiny CPU task) and ``math`` (the paper's math data sets with a
+the built-in ones: ``arithmetic`` (the tiny CPU task), ``chain`` (running-sum chains with junk tokens: the
+CPU-scale collapse study's task) and ``math`` (the paper's math data sets with a
 verifier reward, `fp8rl.tasks.math`).
 """
 
@@ -18,8 +19,10 @@ from fp8rl.tasks.base import (
     check_task_config,
     garble_metrics,
     register_task,
+    response_metrics,
     task_names,
 )
+from fp8rl.tasks.chain import ChainTask
 from fp8rl.tasks.tokenizer import CharTokenizer, build_char_tokenizer
 
 
@@ -34,6 +37,7 @@ __all__ = [
     "GARBLE_REASONS",
     "HELDOUT",
     "ArithmeticTask",
+    "ChainTask",
     "CharTokenizer",
     "Problem",
     "Task",
@@ -45,5 +49,6 @@ __all__ = [
     "dataset_names",
     "garble_metrics",
     "register_task",
+    "response_metrics",
     "task_names",
 ]

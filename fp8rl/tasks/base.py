@@ -66,6 +66,9 @@ class Task(Protocol):
         """Why a response is garbled (one of GARBLE_REASONS), or None if it is well formed."""
         ...
 
+    # Optional: ``response_metrics(responses) -> {"rollout/...": float}``, the task's own statistics of a batch
+    # of responses (e.g. the chain task's junk-token rates), logged every step (`response_metrics` below).
+
 
 # ---------------------------------------------------------------------------------------------
 # Registry: name -> (config class, task factory). Unknown names raise and list the valid ones.
@@ -129,6 +132,12 @@ def batch_rewards(task: Task, problems: Sequence[Problem], responses: Sequence[S
     if len(problems) != len(responses):
         raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
     return torch.tensor(task.rewards(problems, responses), dtype=torch.float32)
+
+
+def response_metrics(task: Task, responses: Sequence[Sequence[int]]) -> dict[str, float]:
+    """The task's own per-batch response statistics (its optional ``response_metrics``), else none."""
+    own = getattr(task, "response_metrics", None)
+    return dict(own(responses)) if own is not None else {}
 
 
 def garble_metrics(reasons: Sequence[str | None]) -> dict[str, float]:

@@ -16,7 +16,7 @@ from fp8rl import algos
 from fp8rl.config import AlgoConfig
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutBatch, RolloutEngine
-from fp8rl.tasks.base import Problem, Task, batch_rewards, garble_metrics
+from fp8rl.tasks.base import Problem, Task, batch_rewards, garble_metrics, response_metrics
 from fp8rl.trainer.distributed import SINGLE, DataParallel
 
 STEP_SEED_STRIDE = 1_000_003
@@ -109,6 +109,7 @@ class StepSampler:
             "rollout/response_len": float(lengths.float().mean()),
         }
         metrics.update(garble_metrics([self.task.garble_reason(r) for r in responses]))
+        metrics.update(response_metrics(self.task, responses))
         if a.dynamic_sampling:
             kept = algos.filter_uniform_groups(reward, a.group_size)
             keep = kept.keep

@@ -23,7 +23,7 @@ from fp8rl.models.sampling import SamplingConfig
 from fp8rl.quant import DelayedScalingState
 from fp8rl.rollout.base import RolloutBatch, RolloutEngine
 from fp8rl.tasks.base import Task
-from fp8rl.trainer.batch import SHUFFLE_SALT, StepBatch, StepSampler, step_seed
+from fp8rl.trainer.batch import SHUFFLE_SALT, StepBatch, StepSampler, step_generator, step_seed
 from fp8rl.trainer.distributed import SINGLE, DataParallel
 from fp8rl.trainer.evaluation import Evaluator
 from fp8rl.trainer.optim import PolicyOptimizer
@@ -31,6 +31,7 @@ from fp8rl.trainer.precision import PrecisionPlan, running_in
 from fp8rl.trainer.shadow import ShadowComparison, ratio_histogram
 
 log = logging.getLogger(__name__)
+OVERCLIP_SALT = 4  # the synthetic over-clipping ablation's noise: seeded by (seed, step, update, rank)
 
 
 @dataclass
@@ -75,12 +76,12 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------- log-probs
     def logprobs(
-        self, batch: RolloutBatch, recipe, grad: bool = False, policy: Policy | None = None
+        self, batch: RolloutBatch, recipe, grad: bool = False, policy: Policy | None = None, compute: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (log-prob, entropy) of the batch's responses, (rows, response_len), in `recipe` (None = BF16),
-        on every rank."""
+        on every rank; `compute` overrides the run's non-FP8 precision (the mechanism study's fp32 row)."""
         policy = policy or self.policy
-        with running_in(policy.module, recipe, self.plan.compute):
+        with running_in(policy.module, recipe, compute or self.plan.compute):
             return policy.logprobs(
                 batch.input_ids,
                 batch.attention_mask,
@@ -187,8 +188,9 @@ class RLTrainer:
                 if shadow is not None and updates_done >= 1:  # after an update: pi_theta != pi_old
                     ratio_ref = shadow.bf16_ratio(mb, rows)
                 reference = None if reference_logp is None else reference_logp[rows]
+                noise = self._overclip_noise(step, updates_done, old_logp[rows])
                 metrics, logp, good = self.minibatch_update(
-                    mb, mb_mask, old_logp[rows], data.adv[rows], ratio_ref, reference
+                    mb, mb_mask, old_logp[rows], data.adv[rows], ratio_ref, reference, noise
                 )
                 if ratio_ref is not None and good:
                     shadow.add(ratio_ref, torch.exp(logp - old_logp[rows]), data.adv[rows], mb_mask)
@@ -200,12 +202,20 @@ class RLTrainer:
             return {"train/empty_batch": 1.0}, True
         return _mean_metrics(collected), True
 
-    def minibatch_update(self, mb, mask, old_logp, adv, ratio_ref, reference_logp):
+    def _overclip_noise(self, step: int, update: int, old_logp: torch.Tensor) -> torch.Tensor | None:
+        """The synthetic over-clipping ablation's log-ratio noise (rows, response_len), None when it is off."""
+        std = self.cfg.clipping.synthetic_overclip_std
+        if not std:
+            return None
+        gen = step_generator(self.cfg.trainer.seed, step * 1009 + update * 31 + self.dp.rank, OVERCLIP_SALT)
+        return (torch.randn(old_logp.shape, generator=gen, dtype=torch.float32) * std).to(old_logp.device)
+
+    def minibatch_update(self, mb, mask, old_logp, adv, ratio_ref, reference_logp, overclip_noise=None):
         """One optimizer step on this rank's share of a mini-batch, with the loss normalised over the whole
         global mini-batch. Returns (metrics, detached log-probs (rows, response_len), whether it was applied)."""
         a = self.cfg.algo
         denominator = self._global_denominator(mb, mask, old_logp)
-        micro = self._micro_batches(mb, mask, old_logp, adv, ratio_ref, reference_logp)
+        micro = self._micro_batches(mb, mask, old_logp, adv, ratio_ref, reference_logp, overclip_noise)
         loss_fn = partial(self._loss, denominator=denominator)
         self.parts.optimizer.zero_grad()
         try:
@@ -239,7 +249,7 @@ class RLTrainer:
         local = algos.aggregation_count(corrected.response_mask, a.loss_agg)
         return float(self.dp.sum(torch.tensor(local, dtype=torch.float64)))
 
-    def _micro_batches(self, mb, mask, old_logp, adv, ratio_ref, reference_logp) -> list[dict[str, Any]]:
+    def _micro_batches(self, mb, mask, old_logp, adv, ratio_ref, reference_logp, noise=None) -> list[dict[str, Any]]:
         """The mini-batch's micro-batches (pipeline parallelism) as dicts; one without it."""
         rows = mb.response_ids.shape[0]
         size = self.parts.micro_batch_size or rows
@@ -259,6 +269,7 @@ class RLTrainer:
                     "rollout_logp": part.rollout_logp,
                     "ratio_ref": None if ratio_ref is None else ratio_ref[index],
                     "reference_logp": None if reference_logp is None else reference_logp[index],
+                    "overclip_noise": None if noise is None else noise[index],
                 }
             )
         return items
@@ -270,6 +281,10 @@ class RLTrainer:
         low, high = self.clip_policy.bounds
         ref_low, ref_high = algos.standard_bounds(a.eps_low, a.eps_high)
         mask = mb["mask"]
+        zeroed = None
+        if mb.get("overclip_noise") is not None:  # the positive control's synthetic over-clipping (an ablation)
+            log_ratio = logp.detach().float() - mb["old_logp"].float()
+            zeroed = algos.synthetic_overclip_mask(log_ratio, mb["adv"], mask, mb["overclip_noise"], low)
         # The loss is this rank's share of the global loss; Megatron DDP averages gradients over DP ranks.
         scale = self.dp.size if self.parts.optimizer.averages_over_data_parallel else 1
         loss, metrics = self.policy_loss(
@@ -289,6 +304,7 @@ class RLTrainer:
             ratio_ref=mb["ratio_ref"],
             ref_clip_low=ref_low,
             ref_clip_high=ref_high,
+            grad_zero_mask=zeroed,
             **({"dual_clip_c": a.dual_clip_c} if a.policy_loss == "dual_clip" else {}),
         )
         if mb["reference_logp"] is not None:

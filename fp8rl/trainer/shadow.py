@@ -9,7 +9,10 @@ into one pool; at the end of the step the pool is gathered over all data-paralle
 - the over-clip rates are measured OUT OF SAMPLE: the pool's sequences are split in two halves (even and
   odd pooled mini-batches), bounds are calibrated on one half and the rates measured on the other (and the
   other way round; the two are averaged), for Calibrated Clipping's bounds (``clip/cc_oos_*``) and for the
-  standard bounds the vanilla FP8 run uses (``clip/shadow_*``).
+  standard bounds the vanilla FP8 run uses (``clip/shadow_*``);
+- the spread of the BF16 log-ratio (``clip/shadow_ref_log_ratio_std``: the size of the real update) and of
+  the FP8 log-ratio's deviation from it (``clip/shadow_fp8_noise_std``: FP8's noise floor) are logged, the
+  collapse study's noise-to-signal criterion for its learning rate.
 """
 
 from __future__ import annotations
@@ -139,12 +142,19 @@ def _standard_shadow_metrics(
     mask = torch.ones(1, adv.numel(), dtype=torch.bool)
     measured = algos.overclip_metrics(ratio_ref[None], ratio_fp8[None], adv[None], mask, low, high, low, high)
     fp8_clipped = algos.clip_fraction_metrics(ratio_fp8[None], adv[None], mask, low, high)
+    log_ref, log_fp8 = torch.log(ratio_ref.double()), torch.log(ratio_fp8.double())
     return {
+        "clip/shadow_ref_log_ratio_std": _std(log_ref),  # the true update's size (signal)
+        "clip/shadow_fp8_noise_std": _std(log_fp8 - log_ref),  # FP8's log-ratio noise floor
         "clip/shadow_overclip_neg": float(measured["clip/overclip_neg"]),
         "clip/shadow_underclip_neg": float(measured["clip/underclip_neg"]),
         "clip/shadow_ref_low_neg": float(measured["clip/ref_low_neg"]),
         "clip/shadow_fp8_low_neg": float(fp8_clipped["clip/low_neg"]),
     }
+
+
+def _std(values: torch.Tensor) -> float:
+    return float(values.std()) if values.numel() > 1 else 0.0
 
 
 def status_counts(clip_policy: Any) -> dict[str, float]:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp8rl.config import TaskConfig, WarmStartConfig
+from fp8rl.config import TaskConfig, WarmStartConfig, without_neutral
 from fp8rl.models.config import ModelConfig, with_tokenizer_vocab
 from fp8rl.models.generate import generate
 from fp8rl.models.gpt import build_gpt_model, compute_precision
@@ -39,6 +39,10 @@ from fp8rl.models.sampling import SamplingConfig
 from fp8rl.tasks.base import Problem, Task, garble_metrics
 
 CACHE_FORMAT_VERSION = 2  # bump when the training recipe or the file layout changes meaning
+# Fields added after format 2 was cached: left out of the key at their neutral value (config.HASH_NEUTRAL), so
+# warm starts cached before they existed keep their key.
+ADDED_TASK_FIELDS = ("min_operands", "max_operands", "junk_tokens")
+ADDED_WARMSTART_FIELDS = ("stop_accuracy", "check_every")
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,15 @@ def warmstart_key(model_cfg: ModelConfig, task_cfg: TaskConfig, ws_cfg: WarmStar
     payload = {
         "format": CACHE_FORMAT_VERSION,
         "model": dataclasses.asdict(model_cfg),
-        "task": dataclasses.asdict(task_cfg),
-        "warmstart": recipe,
+        "task": _drop_neutral_added("task", dataclasses.asdict(task_cfg), ADDED_TASK_FIELDS),
+        "warmstart": _drop_neutral_added("warmstart", recipe, ADDED_WARMSTART_FIELDS),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _drop_neutral_added(section: str, values: dict[str, Any], added: tuple[str, ...]) -> dict[str, Any]:
+    kept = without_neutral(section, {k: values[k] for k in added})
+    return {k: v for k, v in values.items() if k not in added or k in kept}
 
 
 def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -122,12 +131,15 @@ def train_warmstart(
     ws_cfg: WarmStartConfig,
     on_step: Callable[[int, float, torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
-    """Train a fresh model for ``ws_cfg.steps`` steps; ``on_step(step, loss, model)`` is called after each one."""
+    """Train a fresh model for ``ws_cfg.steps`` steps; ``on_step(step, loss, model)`` is called after each one.
+    With ``ws_cfg.stop_accuracy`` set, training stops at the first check (every ``check_every`` steps) whose
+    greedy held-out accuracy reaches it; the model's ``warmstart_trace`` attribute lists the checks."""
     model = build_gpt_model(with_tokenizer_vocab(model_cfg, task.tokenizer.vocab_size), seed=ws_cfg.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws_cfg.lr, weight_decay=ws_cfg.weight_decay)
     sampler = torch.Generator().manual_seed(ws_cfg.seed)
     problems = task.train_problems
+    trace: list[list[float]] = []  # [step, greedy accuracy] of each early-stopping check
     for step in range(ws_cfg.steps):
         picks = torch.randint(len(problems), (ws_cfg.batch_size,), generator=sampler).tolist()
         batch = teacher_forcing_batch(task, [problems[i] for i in picks])
@@ -139,7 +151,23 @@ def train_warmstart(
         optimizer.step()
         if on_step is not None:
             on_step(step, loss.item(), model)
+        if ws_cfg.stop_accuracy is not None and (step + 1) % ws_cfg.check_every == 0:
+            if _accuracy_check(model, task, ws_cfg, step + 1, trace) >= ws_cfg.stop_accuracy:
+                break
+    model.warmstart_trace = trace
+    model.warmstart_steps_done = step + 1 if ws_cfg.steps else 0
     return model
+
+
+STOP_CHECK_PROBLEMS = 256  # held-out problems of each early-stopping check
+
+
+def _accuracy_check(model: torch.nn.Module, task: Task, ws_cfg: WarmStartConfig, done: int, trace: list) -> float:
+    model.eval()
+    accuracy = greedy_eval(model, task, task.eval_problems[:STOP_CHECK_PROBLEMS], ws_cfg.eval_batch_size)
+    model.train()
+    trace.append([done, accuracy["eval/accuracy"]])
+    return accuracy["eval/accuracy"]
 
 
 def tensor_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
@@ -206,6 +234,8 @@ def warmstart(model_cfg: ModelConfig, task: Task, task_cfg: TaskConfig, ws_cfg: 
         "task": dataclasses.asdict(task_cfg),
         "warmstart": dataclasses.asdict(ws_cfg),
         "train_seconds": round(train_seconds, 2),
+        "steps_done": model.warmstart_steps_done,
+        "stop_trace": model.warmstart_trace,
         "torch_threads": torch.get_num_threads(),
         **metrics,
     }

@@ -301,3 +301,29 @@ def test_bf16_log_probs_are_upcast():
         logp.bfloat16(), torch.zeros(2, 5).bfloat16(), torch.ones(2), torch.ones(2, 5), clip_low=0.8, clip_high=1.2
     )
     assert loss_bf16.dtype == torch.float32
+
+
+def test_synthetic_overclip_zeroes_exactly_the_negative_tokens_the_noise_pushes_out():
+    from fp8rl.algos import synthetic_overclip_mask
+
+    log_ratio = torch.log(torch.tensor([[0.9, 0.9, 0.9, 0.7, 0.9, 1.0]], dtype=torch.float64))
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0, -1.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 1]])
+    noise = torch.tensor([[-0.2, 0.0, -0.5, -0.5, -0.5, -0.1]])
+    zeroed = synthetic_overclip_mask(log_ratio, adv, mask, noise, clip_low=0.8)
+    # token 0: log 0.9 - 0.2 < log 0.8 -> over-clipped; 1: no noise; 2: A > 0; 3: BF16 clips it already;
+    # 4: masked out; 5: log 1.0 - 0.1 > log 0.8
+    assert zeroed.tolist() == [[True, False, False, False, False, False]]
+
+
+def test_grad_zero_mask_keeps_the_value_and_removes_the_gradient():
+    logp, old = _logp_for([0.9, 1.1, 0.95])
+    adv = torch.tensor([[-1.0, 1.0, -1.0]], dtype=torch.float64)
+    loss_fn = get_policy_loss("ppo_clip")
+    plain, _ = loss_fn(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2)
+    zero = torch.tensor([[True, False, False]])
+    masked, metrics = loss_fn(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2, grad_zero_mask=zero)
+    assert masked.item() == pytest.approx(plain.item())
+    masked.backward()
+    assert logp.grad[0, 0] == 0 and torch.all(logp.grad[0, 1:] != 0)
+    assert metrics["clip/synthetic_overclip_neg"].item() == pytest.approx(0.5)  # 1 of the 2 A < 0 tokens

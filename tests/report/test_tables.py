@@ -23,8 +23,10 @@ def _child(client, exp_id: str, parent: str, arm: str, seed: int, entropy: list[
     metrics = [Metric("rollout/entropy", v, 0, i) for i, v in enumerate(entropy)]
     metrics += [Metric("eval/accuracy", acc - 0.1, 0, 0), Metric("eval/accuracy", acc, 0, len(entropy) - 1)]
     metrics += [Metric("clip/low_neg", 0.01 * (seed + 1), 0, i) for i in range(len(entropy))]
+    metrics += [Metric("clip/calib_ok", 1.0, 0, i) for i in (5, 10)]
     client.log_batch(run_id, metrics=metrics)
     client.log_param(run_id, "algo.lr", "2e-05")
+    client.log_param(run_id, "trainer.seed", str(seed))
     client.set_terminated(run_id, "FINISHED")
     return run_id
 
@@ -50,25 +52,44 @@ def test_table_groups_seeds_reduces_histories_and_sets_the_paper_beside_ours(sto
     assert {p.name for p in written} == {
         "grpo_granularity-tiny.md",
         "grpo_granularity-tiny.csv",
+        "grpo_granularity-tiny.paired.csv",
         "grpo_granularity-tiny.runs.csv",
         "grpo_granularity-tiny.runs.json",
     }
     rows = {r["arm"]: r for r in csv.DictReader(open(out / "grpo_granularity-tiny.csv"))}
     assert rows["bf16"]["runs"] == "3"  # the FAILED run is left out
-    assert float(rows["bf16"]["final eval acc:mean"]) == pytest.approx(0.91)
-    assert float(rows["bf16"]["final eval acc:std"]) == pytest.approx(0.01)
+    assert float(rows["bf16"]["acc (last 3 evals):mean"]) == pytest.approx(0.91 - 0.05)  # mean of its 2 evals
+    assert float(rows["bf16"]["acc (last 3 evals):std"]) == pytest.approx(0.01)
+    assert float(rows["bf16"]["calib ok:mean"]) == 2.0  # calibrations counted over the run
     assert float(rows["fp8_tensorwise"]["surged:mean"]) == pytest.approx(2 / 3)
     assert float(rows["bf16"]["surged:mean"]) == 0.0
     assert float(rows["fp8_tensorwise"]["peak entropy:mean"]) == pytest.approx((0.8 + 0.8 + 0.2) / 3)
     assert float(rows["bf16"]["clip/low_neg (mean):mean"]) == pytest.approx(0.02)
     md = (out / "grpo_granularity-tiny.md").read_text()
-    assert "| bf16           |      3 | 0.910 ± 0.010 " in md and md.rstrip().endswith("gaps to BF16).")
+    assert "| bf16           |      3 | 0.860 ± 0.010 " in md and "57.6" in md
+    assert "Per-seed paired differences against `bf16`" in md
     assert "57.6" in md and "46.1" in md  # the paper's BF16 and tensorwise scores
     assert "abc123" in md
     per_run = list(csv.DictReader(open(out / "grpo_granularity-tiny.runs.csv")))
     assert len(per_run) == 6 and all(r["run_id"] and r["git_sha"] == "abc123" for r in per_run)
+    assert sorted(r["seed"] for r in per_run) == ["0", "0", "1", "1", "2", "2"]
     configs = json.loads((out / "grpo_granularity-tiny.runs.json").read_text())
-    assert configs["runs"][0]["config"] == {"algo.lr": "2e-05"}
+    assert configs["runs"][0]["config"] == {"algo.lr": "2e-05", "trainer.seed": "0"}
+
+
+def test_paired_differences_against_bf16_with_t_intervals(store: str, tmp_path: Path) -> None:
+    tables.write_table("grpo_granularity-tiny", tmp_path, tracking_uri=store)
+    paired = {r["metric"]: r for r in csv.DictReader(open(tmp_path / "grpo_granularity-tiny.paired.csv"))}
+    acc = paired["acc (last 3 evals)"]
+    # fp8 0.80 - 0.05 in every seed vs bf16 0.90/0.91/0.92 - 0.05: differences -0.10, -0.11, -0.12
+    assert (acc["arm"], acc["n"]) == ("fp8_tensorwise", "3")
+    assert float(acc["mean"]) == pytest.approx(-0.11)
+    half = 4.302652729911275 * 0.01 / 3**0.5  # t(0.975, 2) * sd / sqrt(n)
+    assert (float(acc["ci_low"]), float(acc["ci_high"])) == (pytest.approx(-0.11 - half), pytest.approx(-0.11 + half))
+    low_neg = paired["clip/low_neg (mean)"]  # identical per seed in both arms: a zero-width interval at 0
+    assert float(low_neg["mean"]) == 0 and float(low_neg["ci_low"]) == float(low_neg["ci_high"]) == 0
+    md = (tmp_path / "grpo_granularity-tiny.md").read_text()
+    assert "| fp8_tensorwise |   3 | -0.110 [-0.135, -0.085]" in md
 
 
 def test_cli_index_lists_files_and_run_ids(store: str, tmp_path: Path) -> None:
@@ -94,3 +115,11 @@ def test_figures_from_the_store(store: str, tmp_path: Path) -> None:
     assert main(["--tracking-uri", store, "--out", str(tmp_path), "figures"]) == 0
     assert (tmp_path / "figures" / "grpo_granularity-tiny_curves.png").stat().st_size > 10_000
     assert (tmp_path / "figures" / "grpo_granularity-tiny_curves.pdf").exists()
+
+
+def test_wilson_interval_of_a_clip_fraction() -> None:
+    low, high = tables.wilson_interval(0.0, 100)
+    assert low == 0.0 and high == pytest.approx(0.0370, abs=1e-4)  # no token clipped: still up to 3.7%
+    low, high = tables.wilson_interval(0.5, 100)
+    assert (low, high) == (pytest.approx(0.4038, abs=1e-4), pytest.approx(0.5962, abs=1e-4))
+    assert all(v != v for v in tables.wilson_interval(0.1, 0))  # no trials: NaN

@@ -115,3 +115,23 @@ def test_failed_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         ws._write_atomically(target, crash)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fields_added_later_leave_the_key_of_older_warm_starts_alone(model_cfg):
+    # The key of the default recipe, computed before stop_accuracy / check_every and the chain task's fields
+    # existed, must not change (caches on every machine hold it); setting one of them changes it.
+    base = warmstart_key(model_cfg, TASK_CFG, QUICK)
+    assert base == "3835b8b2b84f92dc"  # computed by the code at 3555abc, before the fields were added
+    assert warmstart_key(model_cfg, TASK_CFG, dataclasses.replace(QUICK, stop_accuracy=0.5)) != base
+    assert warmstart_key(model_cfg, dataclasses.replace(TASK_CFG, junk_tokens=3), QUICK) != base
+
+
+def test_stops_at_the_first_check_that_reaches_the_accuracy(task, model_cfg, monkeypatch):
+    accuracies = iter([0.1, 0.3, 0.55, 0.9])
+    monkeypatch.setattr(ws, "greedy_eval", lambda *args: {"eval/accuracy": next(accuracies)})
+    recipe = dataclasses.replace(QUICK, steps=20, stop_accuracy=0.5, check_every=2)
+    model = train_warmstart(model_cfg, task, recipe)
+    assert model.warmstart_steps_done == 6
+    assert model.warmstart_trace == [[2, 0.1], [4, 0.3], [6, 0.55]]
+    unstopped = train_warmstart(model_cfg, task, QUICK)
+    assert (unstopped.warmstart_steps_done, unstopped.warmstart_trace) == (2, [])

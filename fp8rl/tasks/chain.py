@@ -1,0 +1,146 @@
+"""Multi-operand sums answered with a running-sum chain: the CPU-scale task with room for the paper's collapse.
+
+Prompt ``"<bos>3+9+4+8="``, reference response ``"12,16,24<eos>"``: the running sum after each addition, comma
+separated; the last number is the answer. Operands have exactly ``task.num_digits`` digits (0-9 for one digit),
+a problem has ``task.min_operands`` .. ``task.max_operands`` of them (uniformly), so responses are
+variable-length reasoning (one-digit operands, 4-9 of them: 6-24 response tokens with <eos>). The vocabulary
+carries ``task.junk_tokens`` letters that no prompt or answer ever uses, so probability mass can leak to tokens
+that are never right.
+
+Reward 1 only for a parseable response (digits and commas forming ``n(,n)*`` before <eos>) whose last number
+is the sum; the intermediate sums are not graded (the warm start teaches them). ``response_metrics`` gives
+the junk rates (``rollout/junk_token_rate``: share of response tokens that are junk letters;
+``rollout/junk_response_rate``: share of responses with at least one).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+from collections.abc import Sequence
+from itertools import accumulate
+
+from fp8rl.config import TaskConfig
+from fp8rl.tasks.base import HELDOUT, Problem, register_task
+from fp8rl.tasks.tokenizer import CharTokenizer, build_char_tokenizer
+
+DIGITS = "0123456789"
+ANSWER_CHARS = DIGITS + ","
+CHAIN_PATTERN = re.compile(r"[0-9]+(,[0-9]+)*")
+RESPONSE_SLACK = 2  # response limit = longest possible chain + <eos> + slack
+
+
+def junk_alphabet(count: int) -> str:
+    """The first `count` lowercase letters: tokens no prompt or answer contains."""
+    return string.ascii_lowercase[:count]
+
+
+def check_chain_config(cfg: TaskConfig) -> None:
+    """Raise ValueError (saying what to change) when `cfg` asks for more distinct problems than plausible."""
+    operands = 10 if cfg.num_digits == 1 else 9 * 10 ** (cfg.num_digits - 1)
+    universe = sum(operands**n for n in range(cfg.min_operands, cfg.max_operands + 1))
+    if cfg.num_train + cfg.num_eval > universe // 2:
+        raise ValueError(
+            f"{cfg.num_train} train + {cfg.num_eval} eval problems (task.num_train, task.num_eval) need more than half "
+            f"of the {universe} sums with task.num_digits={cfg.num_digits}, {cfg.min_operands}-{cfg.max_operands} "
+            "operands: ask for fewer problems or more digits / operands"
+        )
+
+
+def chain_answer(operands: Sequence[int]) -> str:
+    """The running sums after each addition, e.g. (12, 34, 56) -> "46,102"."""
+    return ",".join(str(s) for s in list(accumulate(operands))[1:])
+
+
+def draw_problems(cfg: TaskConfig) -> list[Problem]:
+    """``num_eval + num_train`` distinct problems in draw order (eval first), fixed by ``cfg.seed``."""
+    rng = random.Random(cfg.seed)
+    low, high = 10 ** (cfg.num_digits - 1) if cfg.num_digits > 1 else 0, 10**cfg.num_digits - 1
+    seen: dict[str, Problem] = {}
+    while len(seen) < cfg.num_eval + cfg.num_train:
+        operands = [rng.randint(low, high) for _ in range(rng.randint(cfg.min_operands, cfg.max_operands))]
+        prompt = "+".join(map(str, operands)) + "="
+        seen.setdefault(prompt, Problem(prompt=prompt, answer=chain_answer(operands)))
+    return list(seen.values())
+
+
+def longest_chain(cfg: TaskConfig) -> int:
+    """Characters of the longest possible chain: each running sum of k operands has at most
+    num_digits + len(str(k)) - 1 + 1 digits; commas between them."""
+    widths = [len(str(k * (10**cfg.num_digits - 1))) for k in range(2, cfg.max_operands + 1)]
+    return sum(widths) + len(widths) - 1
+
+
+class ChainTask:
+    """Running-sum chains of multi-operand sums, their character tokenizer (with junk letters), reward and
+    garble detector (module docstring)."""
+
+    name = "chain"
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        check_chain_config(cfg)
+        self.cfg = cfg
+        self.junk = junk_alphabet(cfg.junk_tokens)
+        self.tokenizer: CharTokenizer = build_char_tokenizer(DIGITS + "+,=" + self.junk)
+        problems = draw_problems(cfg)
+        self.eval_problems: list[Problem] = problems[: cfg.num_eval]
+        self.train_problems: list[Problem] = problems[cfg.num_eval :]
+        self.eval_sets: dict[str, list[Problem]] = {HELDOUT: self.eval_problems}
+        self.max_response_tokens: int = longest_chain(cfg) + 1 + RESPONSE_SLACK
+        self._answer_ids = frozenset(self.tokenizer.encode(ANSWER_CHARS, add_bos=False))
+        self._junk_ids = frozenset(self.tokenizer.encode(self.junk, add_bos=False)) if self.junk else frozenset()
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """<bos> then the prompt characters."""
+        return self.tokenizer.encode(problem.prompt)
+
+    def target_ids(self, problem: Problem) -> list[int]:
+        """The chain's characters then <eos> (the supervised warm start's targets)."""
+        return [*self.tokenizer.encode(problem.answer, add_bos=False), self.tokenizer.eos_id]
+
+    def _split_at_eos(self, response_ids: Sequence[int]) -> tuple[list[int], bool]:
+        window = [int(token) for token in response_ids[: self.max_response_tokens]]
+        if self.tokenizer.eos_id in window:
+            return window[: window.index(self.tokenizer.eos_id)], True
+        return window, False
+
+    def reward(self, problem: Problem, response_ids: Sequence[int]) -> float:
+        """1.0 iff <eos> came in time, the body parses as a chain and its last number is the sum."""
+        body, has_eos = self._split_at_eos(response_ids)
+        if not has_eos or any(token not in self._answer_ids for token in body):
+            return 0.0
+        text = self.tokenizer.decode(body)
+        if not CHAIN_PATTERN.fullmatch(text):
+            return 0.0
+        return 1.0 if int(text.rsplit(",", 1)[-1]) == int(problem.answer.rsplit(",", 1)[-1]) else 0.0
+
+    def rewards(self, problems: Sequence[Problem], responses: Sequence[Sequence[int]]) -> list[float]:
+        return [self.reward(p, r) for p, r in zip(problems, responses, strict=True)]
+
+    def garble_reason(self, response_ids: Sequence[int]) -> str | None:
+        """ "invalid_token", "no_eos", "unparseable" (checked in this order), or None if well formed."""
+        body, has_eos = self._split_at_eos(response_ids)
+        if any(token not in self._answer_ids for token in body):
+            return "invalid_token"
+        if not has_eos:
+            return "no_eos"
+        if not CHAIN_PATTERN.fullmatch(self.tokenizer.decode(body)):
+            return "unparseable"
+        return None
+
+    def response_metrics(self, responses: Sequence[Sequence[int]]) -> dict[str, float]:
+        """Junk rates of a batch of responses (token ids, <eos> included where sampled)."""
+        tokens = [int(t) for r in responses for t in r]
+        junk_tokens = sum(t in self._junk_ids for t in tokens)
+        junk_responses = sum(any(int(t) in self._junk_ids for t in r) for r in responses)
+        return {
+            "rollout/junk_token_rate": junk_tokens / max(len(tokens), 1),
+            "rollout/junk_response_rate": junk_responses / max(len(responses), 1),
+        }
+
+
+@register_task("chain", check=check_chain_config)
+def build_chain_task(cfg: TaskConfig, model_path: str | None = None) -> ChainTask:
+    """Registry factory for :class:`ChainTask` (it brings its own tokenizer: `model_path` is unused)."""
+    return ChainTask(cfg)
