@@ -37,6 +37,7 @@ from fp8rl.tracking import (
     resolve_tracking_uri,
     store,
 )
+from fp8rl.tracking.datasets import task_datasets
 from fp8rl.trainer import checkpoint as ckpt
 from fp8rl.trainer.distributed import DataParallel
 from fp8rl.trainer.fit import RunSummary, fit
@@ -92,6 +93,8 @@ def _run(cfg, env: DistEnv, tracker, stop_after, hydra_dir, submitted_at) -> Run
             device = _device(cfg)
             parts, source = build_parts(cfg, layout, dp, device)
             log.info("%s: %s; policy from %s; layout %s", name, out_dir, source, layout.describe())
+            if state is None:  # once per run, at its start
+                tracker.log_datasets(lambda: task_datasets(cfg.task, parts.task.train_problems, parts.task.eval_sets))
             trainer = RLTrainer(parts, cfg)
             if state is not None:
                 trainer.load_state_dict(state)
