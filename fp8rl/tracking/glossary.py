@@ -15,16 +15,16 @@ import re
 from collections.abc import Iterable
 from functools import cache
 
-_CALIB_FLAGS = {  # CalibStatus flag -> what it means (fp8rl.algos.calibration)
-    "ok": "1 when the last calibration ran without any of the flags below (logged on calibration steps)",
-    "empty": "1 when the last calibration had no masked token (both bounds kept standard)",
-    "no_neg": "1 when the last calibration saw no negative token (low kept standard)",
-    "alpha_zero": "1 when BF16 clipped no negative token: low is set just below FP8's smallest negative "
-    "ratio, so FP8 clips none either",
-    "no_pos": "1 when the last calibration saw no positive token (high kept standard)",
-    "no_ref_neg_contrib": "1 when BF16's negative contribution was 0, so p_BF16 is undefined (high standard)",
-    "no_neg_contrib": "1 when FP8's negative contribution was 0, so p is undefined (high standard)",
-    "p_unreachable": "1 when no upper bound reaches BF16's p: the closest reachable high is used",
+CALIBRATION_RULES = {  # a calibration's outcome (CalibStatus, fp8rl.algos.calibration) -> what happened
+    "ok": "both bounds were calibrated as the paper says (none of the cases below)",
+    "empty": "no masked token: both bounds kept standard",
+    "no_neg": "no negative token: low kept standard",
+    "alpha_zero": "BF16 clipped no negative token: low is set just below FP8's smallest negative ratio, so FP8 "
+    "clips none either",
+    "no_pos": "no positive token: high kept standard",
+    "no_ref_neg_contrib": "BF16's negative contribution was 0, so its p is undefined: high kept standard",
+    "no_neg_contrib": "FP8's negative contribution was 0, so p is undefined: high kept standard",
+    "p_unreachable": "no upper bound reaches BF16's p: the closest reachable high is used",
 }
 
 ROLLOUT = {
@@ -109,7 +109,9 @@ CLIP = {
     "clip/calib_ref_p": "last calibration: BF16's p at the standard bounds (the target)",
     "clip/calib_p": "last calibration: FP8's p at the calibrated bounds",
     "clip/calib_fp8_low_neg_standard": "last calibration: share of negative tokens FP8 clips at the standard low",
-    **{f"clip/calib_{flag}": meaning for flag, meaning in _CALIB_FLAGS.items()},
+    **{
+        f"clip/calib_{rule}": f"1 when the step's calibration found: {text}" for rule, text in CALIBRATION_RULES.items()
+    },
 }
 
 FP8 = {
