@@ -86,7 +86,7 @@ def pages(experiment_id: str, runs: dict[str, str], histogram: str | None) -> li
     out += [Page(f"run_{name}", f"{base}/runs/{run_id}", "arithmetic-train", 1400) for name, run_id in runs.items()]
     if histogram:
         route = f"{base}/runs/{ids[-1]}/artifacts/{histogram}"
-        out.append(Page(f"run_{names[-1]}_artifacts", route, "importance ratio", 1000))
+        out.append(Page(f"run_{names[-1]}_artifacts", route, histogram, 1000))  # the preview's header
     query = f"runs={quote(json.dumps(ids))}&experiments={quote(json.dumps([experiment_id]))}"
     out.append(Page("compare_runs", f"/compare-runs?{query}", names[0], 1800))
     return out
