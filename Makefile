@@ -27,7 +27,7 @@ RECAL_K ?= $(if $(filter paper,$(SCALE)),10$(comma)20$(comma)40,2$(comma)5$(comm
 REPRO_SWEEP = $(VENV)/bin/fp8rl sweep --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(SWEEP_ARGS)
 REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 
-.PHONY: setup test test-fast test-distributed lint docs demo mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
+.PHONY: setup test test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
 
 setup: $(STAMP)
 
@@ -58,6 +58,14 @@ docs: setup
 
 demo: setup
 	$(PY) -m fp8rl.demo
+
+# Screenshots of the MLflow UI over the demo's runs (runs table, charts, run pages, an artifact, the compare
+# view) into results/ui/: Debian's Chromium (installed here, as root) driven by Playwright (the `ui` extra).
+UI_OUT ?= results/ui
+ui-snapshot: setup
+	@command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+	@$(PY) -c "import playwright" 2>/dev/null || $(PIP) install -q --disable-pip-version-check -e '.[ui]'
+	$(PY) -m fp8rl.tracking.ui_snapshot --experiment fp8rl-demo --out $(UI_OUT)
 
 # scale=mini's assets: a random Qwen3-architecture checkpoint with a BPE tokenizer and math data files in the
 # published schemas (made-up problems), written once to .cache/mini.

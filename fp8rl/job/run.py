@@ -37,6 +37,7 @@ from fp8rl.tracking import (
     resolve_tracking_uri,
     store,
 )
+from fp8rl.tracking.datasets import task_datasets
 from fp8rl.trainer import checkpoint as ckpt
 from fp8rl.trainer.distributed import DataParallel
 from fp8rl.trainer.fit import RunSummary, fit
@@ -92,6 +93,8 @@ def _run(cfg, env: DistEnv, tracker, stop_after, hydra_dir, submitted_at) -> Run
             device = _device(cfg)
             parts, source = build_parts(cfg, layout, dp, device)
             log.info("%s: %s; policy from %s; layout %s", name, out_dir, source, layout.describe())
+            if state is None:  # once per run, at its start
+                tracker.log_datasets(lambda: task_datasets(cfg.task, parts.task.train_problems, parts.task.eval_sets))
             trainer = RLTrainer(parts, cfg)
             if state is not None:
                 trainer.load_state_dict(state)
@@ -211,8 +214,8 @@ def make_tracker(
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     digest = config_hash(cfg)
     finished, unfinished = existing_runs(cfg, uri, digest)
-    if finished and state is None:
-        return NullTracker(), finished
+    if finished and (state is None or state.get("step", 0) >= cfg.trainer.steps):
+        return NullTracker(), finished  # re-opening it would only move its end time (a re-run of `make demo`)
     resume_run_id = (state or {}).get("run_id") or unfinished
     spec = RunSpec(
         tracking_uri=uri,
@@ -285,11 +288,19 @@ def describe(cfg: RunConfig, name: str) -> str:
         arm = f"full-pipeline FP8 {p.recipe} (rollout and both trainer forwards)"
     clip = "Calibrated Clipping" if c.policy == "calibrated" else "standard clip bounds"
     correction = "" if c.rollout_correction == "none" else f" + {c.rollout_correction}"
-    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    command = shown_command()
     return (
         f"**{name}**: {cfg.algo.name.upper()} on {cfg.task.name} with {arm}, {clip}{correction}; "
         f"{cfg.trainer.steps} steps, seed {cfg.trainer.seed}.\n\nCommand: `{command}`"
     )
+
+
+def shown_command() -> str:
+    """The command line as typed: ``python -m fp8rl.demo``, ``fp8rl sweep ...``, ``python -m fp8rl.train ...``
+    (no interpreter or script paths of this machine)."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    program = f"python -m {main_spec.name.removesuffix('.__main__')}" if main_spec else Path(sys.argv[0]).name
+    return redact(" ".join([program, *sys.argv[1:]]))
 
 
 def run_artifacts(cfg: RunConfig, out_dir: str, hydra_dir: str | Path | None) -> list[tuple[str, str | None]]:

@@ -33,6 +33,7 @@ from fp8rl.launch.launchers import Launcher, check_fits, make_executor, resolve_
 from fp8rl.tracking import store
 
 DEFAULT_ROOT = Path("outputs/sweeps")
+SLURM_POLL_S = 2.0  # seconds between squeue/sacct looks while waiting for a sweep's Slurm jobs
 LIVE_SLURM_STATES = (
     "PENDING",
     "RUNNING",
@@ -261,7 +262,11 @@ def mark_in_flight(report: SweepReport) -> None:
 
 # ------------------------------------------------------------------------------------------------ submission
 class Progress:
-    """One line per finished run: ``[k/n] <label> finished in 41s (elapsed 5m, ETA 12m)``."""
+    """One line per finished run: ``[k/n] <label> finished in 41s (elapsed 5m, ETA 12m)``.
+
+    Kept instead of a rich progress bar: a sweep's output usually goes to a log file or a Slurm ``.out``, where
+    a live bar collapses into one truncated line; a line per run reads the same everywhere. The ETA is the
+    mean time per finished run times the runs left (runs of one sweep take about the same time)."""
 
     def __init__(self, total: int, name: str, echo=print) -> None:
         self.total, self.name, self.echo = total, name, echo
@@ -342,7 +347,9 @@ def _run_inline(todo: list[PlannedRun], progress: Progress | None = None) -> Non
 def _run_pool(
     todo: list[PlannedRun], executor: Any, max_parallel: int, req: SweepRequest, progress: Progress | None = None
 ) -> None:
-    """Local executor: at most `max_parallel` jobs at once, waiting for all."""
+    """Local executor: at most `max_parallel` jobs at once, waiting for all. submitit's LocalExecutor has no
+    ``array_parallelism`` (``map_array`` starts every job at once), so the pool keeps the limit itself and
+    submits the next point as soon as one finishes."""
     from fp8rl.launch.train_job import TrainJob
 
     queue, running = list(todo), []
@@ -369,7 +376,9 @@ def _submit_slurm(
     timeout_s: float | None,
     progress: Progress | None = None,
 ) -> None:
-    """One Slurm job per point, named after the sweep and config hash (re-launches find it in squeue)."""
+    """One Slurm job per point, named after the sweep and config hash (re-launches find it in squeue), waited
+    for with submitit's ``as_completed``. Not a job array: an array's tasks share one job name, and a re-launch
+    recognises a queued or running point in squeue by its name (`mark_in_flight`)."""
     from fp8rl.launch.train_job import TrainJob
 
     jobs = []
@@ -378,11 +387,17 @@ def _submit_slurm(
         job = executor.submit(TrainJob(to_dict(run.cfg)))
         run.job_id = str(job.job_id)
         jobs.append((run, job))
-    deadline = time.monotonic() + timeout_s if timeout_s else None
-    while wait and jobs:
-        jobs = _collect_done(jobs, progress)
-        _check_deadline(deadline, jobs)
-        time.sleep(2.0 if jobs else 0)
+    if not wait:
+        return
+    from submitit.helpers import as_completed
+
+    by_job = {id(job): run for run, job in jobs}
+    try:
+        for job in as_completed([job for _, job in jobs], timeout=timeout_s or None, poll_frequency=SLURM_POLL_S):
+            _collect_done([(by_job[id(job)], job)], progress)
+    except TimeoutError as err:
+        ids = ", ".join(str(job.job_id) for _, job in jobs if not job.done())
+        raise TimeoutError(f"jobs {ids} still running after the sweep's timeout; they keep running") from err
 
 
 def _collect_done(jobs: list[tuple[PlannedRun, Any]], progress: Progress | None = None) -> list[tuple[PlannedRun, Any]]:

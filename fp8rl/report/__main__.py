@@ -56,13 +56,13 @@ def cmd_figures(args: argparse.Namespace) -> list[Path]:
     if _existing([f"mechanism-{args.scale}"], uri):
         written += figures.mechanism_figures(f"mechanism-{args.scale}", out, args.tracking_uri)
     if not written:
-        raise SystemExit(f"nothing to plot: no table or mechanism runs in {uri}")
+        raise SystemExit(f"nothing to plot: no table or mechanism runs in {runs.display_uri(uri)}")
     return written
 
 
 def cmd_index(args: argparse.Namespace) -> list[Path]:
     """PROVENANCE.json (who built the folder, from which runs) and INDEX.md (what each file is)."""
-    uri = runs.absolute_tracking_uri(args.tracking_uri)
+    uri = runs.display_uri(runs.absolute_tracking_uri(args.tracking_uri))  # no machine's path in results/
     sources = {}
     for path in sorted(args.out.glob("*.runs.json")):
         data = json.loads(path.read_text())

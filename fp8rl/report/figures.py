@@ -1,28 +1,146 @@
 """Figures from MLflow: training curves per table (one figure each) and the mechanism study's plots.
 
-Every figure is written as PNG and PDF. Curves are the mean over a group's seeds at each step.
+Training curves: one line per arm (a group of the sweep's axes), the mean over its seeds at each step with
+a band of ± one sample standard deviation (no band for a single seed). Colour says the FP8 recipe, line
+style the method (BF16 / FP8 rollout / vanilla FP8 / FP8 + Calibrated Clipping); arms that share both (an
+ablation's K or initial bounds) get lighter shades of the colour. Every panel has a y-label with its unit;
+titles carry the experiment's name and run count, never a machine's path. Each figure is written as PNG
+and PDF and attached to the sweep's parent run in MLflow (artifact folder ``figures/``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp8rl.report.tables import MECH_ORDER, compare_name, load_mechanism, load_runs
+import pandas as pd
+
+from fp8rl.report.frames import RunData, load_runs
+from fp8rl.report.tables import MECH_ORDER, compare_name, load_mechanism
 from fp8rl.tracking import store as runs
 
-CURVE_PANELS = (  # (title, [(metric key, line style)])
-    ("actor entropy (rollout)", [("rollout/entropy", "-")]),
-    ("reward", [("rollout/reward", "-")]),
-    ("response length", [("rollout/response_len", "-")]),
-    ("clip fraction: low_neg (solid), high_pos (dashed)", [("clip/low_neg", "-"), ("clip/high_pos", "--")]),
-    ("contribution: positive (solid), negative (dashed)", [("clip/contrib_pos", "-"), ("clip/contrib_neg", "--")]),
-    ("eval accuracy", [("eval/accuracy", "-")]),
+
+@dataclass(frozen=True)
+class Panel:
+    """One axes of the curve figure: metric keys (drawn solid, then dashed), a title and a y-label with unit."""
+
+    title: str
+    keys: tuple[str, ...]
+    ylabel: str
+
+
+CURVE_PANELS = (
+    Panel("rollout entropy", ("rollout/entropy",), "entropy (nats / token)"),
+    Panel("rollout reward", ("rollout/reward",), "mean reward (share correct)"),
+    Panel("held-out accuracy", ("eval/accuracy",), "accuracy (share correct)"),
+    Panel("garbled rollouts", ("rollout/garbled_rate",), "garbled (share of rollouts)"),
+    Panel("clipped negative tokens (clip/low_neg)", ("clip/low_neg",), "share of A < 0 tokens"),
+    Panel("clip bounds: low (solid), high (dashed)", ("clip/bound_low", "clip/bound_high"), "bound (ratio)"),
+    Panel("update balance p = contrib_pos / contrib_neg", ("clip/p",), "p (ratio)"),
+    Panel("response length", ("rollout/response_len",), "tokens"),
 )
+LINE_STYLES = ("-", "--")  # a panel's first and second key
+METHOD_STYLE = {  # method -> (line style of the first key, legend name)
+    "bf16": ("-", "BF16"),
+    "fp8_rollout": (":", "FP8 rollout"),
+    "fp8": ("--", "vanilla FP8"),
+    "cc": ("-", "FP8 + CC"),
+}
+RECIPE_COLOR = {"none": "black", "tensorwise": "tab:blue", "rowwise": "tab:orange", "blockwise": "tab:green",
+                "mxfp8": "tab:purple"}  # fmt: skip
+STEP_LABEL = "RL step"
+
+
+def method_of(tags: dict[str, str]) -> str:
+    """bf16, fp8_rollout, fp8 (vanilla full-pipeline FP8) or cc (FP8 + Calibrated Clipping), from run tags."""
+    precision = tags.get("precision", "")
+    if precision in ("bf16", "fp8_rollout"):
+        return precision
+    return "cc" if tags.get("clipping") == "calibrated" else "fp8"
+
+
+@dataclass(frozen=True)
+class ArmStyle:
+    color: Any
+    linestyle: str
+    label: str
+
+
+def arm_styles(groups: dict[tuple[str, ...], list[RunData]], group_by: Sequence[str]) -> dict[tuple, ArmStyle]:
+    """A colour (recipe), line style (method) and legend label per arm; shades for arms sharing both."""
+    from matplotlib.colors import to_rgb
+
+    seen: dict[tuple[str, str], int] = {}
+    styles = {}
+    for group, members in groups.items():
+        tags = members[0].tags
+        method, recipe = method_of(tags), tags.get("recipe", "none")
+        shade = seen[(method, recipe)] = seen.get((method, recipe), -1) + 1
+        base = to_rgb(RECIPE_COLOR.get(recipe, "tab:gray"))
+        color = tuple(c + (1 - c) * min(0.25 * shade, 0.75) for c in base)  # lighter for each further arm
+        linestyle, method_name = METHOD_STYLE[method]
+        recipe_name = "" if method == "bf16" else f" {recipe}"
+        axes = ", ".join(f"{compare_name(k)}={v}" for k, v in zip(group_by, group, strict=True) if v)
+        styles[group] = ArmStyle(color, linestyle, f"{method_name}{recipe_name} ({axes}; {len(members)} seeds)")
+    return styles
+
+
+def seed_band(members: Sequence[RunData], key: str) -> pd.DataFrame:
+    """Per step: mean, sample std (NaN for one seed) and n over the members' finite values of `key`."""
+    rows = [(step, value) for run in members for step, value in run.history.get(key, []) if math.isfinite(value)]
+    frame = pd.DataFrame(rows, columns=["step", "value"])
+    return frame.groupby("step")["value"].agg(["mean", "std", "count"]).reset_index()
+
+
+def _draw_panel(ax: Any, panel: Panel, groups: dict, styles: dict[tuple, ArmStyle]) -> None:
+    drawn = False
+    for group, members in groups.items():
+        style = styles[group]
+        for index, key in enumerate(panel.keys):
+            band = seed_band(members, key)
+            if band.empty:
+                continue
+            drawn = True
+            linestyle = style.linestyle if index == 0 else LINE_STYLES[1]
+            ax.plot(band["step"], band["mean"], linestyle=linestyle, color=style.color, linewidth=1.4)
+            spread = band["std"].fillna(0.0)
+            if (band["count"] > 1).any():
+                ax.fill_between(band["step"], band["mean"] - spread, band["mean"] + spread, color=style.color,
+                                alpha=0.15, linewidth=0)  # fmt: skip
+    if not drawn:
+        ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel(STEP_LABEL)
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(alpha=0.3)
+
+
+def curve_figure(experiment: str, run_data: list[RunData], group_by: Sequence[str]) -> Any:
+    """The training-curve figure of one table's runs (module docstring)."""
+    from matplotlib.lines import Line2D
+
+    groups: dict[tuple[str, ...], list[RunData]] = {}
+    for run in run_data:
+        groups.setdefault(run.group, []).append(run)
+    styles = arm_styles(groups, group_by)
+    plt = _plt()
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    for ax, panel in zip(axes.flat, CURVE_PANELS, strict=True):
+        _draw_panel(ax, panel, groups, styles)
+    handles = [Line2D([], [], color=s.color, linestyle=s.linestyle, label=s.label) for s in styles.values()]
+    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
+    fig.suptitle(
+        f"{experiment}: mean over seeds, band ± 1 sd ({len(run_data)} runs); colour = FP8 recipe, "
+        "line style = method (BF16 solid black, FP8 rollout dotted, vanilla FP8 dashed, FP8 + CC solid)",
+        fontsize=11,
+    )
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * math.ceil(len(handles) / 4), 1, 0.96))
+    return fig
 
 
 def _plt():
@@ -43,40 +161,26 @@ def _save(fig: Any, out_dir: Path, stem: str) -> list[Path]:
     return paths
 
 
-def mean_curve(histories: list[list[tuple[int, float]]]) -> tuple[list[int], list[float]]:
-    by_step: dict[int, list[float]] = {}
-    for history in histories:
-        for step, value in history:
-            if math.isfinite(value):
-                by_step.setdefault(step, []).append(value)
-    steps = sorted(by_step)
-    return steps, [statistics.fmean(by_step[s]) for s in steps]
+def attach_to_parent(experiment: str, paths: Sequence[Path], tracking_uri: str | None) -> str | None:
+    """Log `paths` as artifacts (``figures/``) of the sweep's parent run; its run id, or None without one."""
+    client = runs.client(runs.absolute_tracking_uri(tracking_uri))
+    exp_id = runs.experiment_id(client, experiment, create=False)
+    parent = runs.find_parent(client, exp_id, experiment) if exp_id is not None else None
+    if parent is None:
+        return None
+    for path in paths:
+        client.log_artifact(parent.info.run_id, str(path), "figures")
+    return parent.info.run_id
 
 
 def training_curves(experiment: str, out_dir: Path, tracking_uri: str | None = None) -> list[Path]:
-    keys = [k for _, lines in CURVE_PANELS for k, _ in lines]
-    run_data, group_by, uri = load_runs(experiment, keys, tracking_uri=tracking_uri)
+    keys = [key for panel in CURVE_PANELS for key in panel.keys]
+    run_data, group_by, _ = load_runs(experiment, keys, tracking_uri=tracking_uri)
     if not run_data:
         return []
-    groups: dict[tuple[str, ...], list] = {}
-    for r in run_data:
-        groups.setdefault(r.group, []).append(r)
-    plt = _plt()
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, lines) in zip(axes.flat, CURVE_PANELS, strict=True):
-        for i, (group, members) in enumerate(groups.items()):
-            label = " ".join(group) if group else "all"
-            for key, style in lines:
-                steps, values = mean_curve([m.history.get(key, []) for m in members])
-                if steps:
-                    ax.plot(steps, values, style, color=colors[i % len(colors)], label=label if style == "-" else None)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
-    axes.flat[0].legend(fontsize=7, title=", ".join(map(compare_name, group_by)), title_fontsize=7)
-    fig.suptitle(f"{experiment}: mean over seeds ({len(run_data)} runs, MLflow {uri})", fontsize=10)
-    fig.tight_layout()
-    return _save(fig, out_dir, f"{experiment}_curves")
+    written = _save(curve_figure(experiment, run_data, group_by), out_dir, f"{experiment}_curves")
+    attach_to_parent(experiment, written, tracking_uri)
+    return written
 
 
 def _histogram(client: Any, run_id: str) -> dict[str, Any]:
@@ -168,6 +272,7 @@ def mechanism_figures(
             ax.set_yscale("log")
             ax.set_title(f"{recipe}", fontsize=9)
             ax.set_xlabel("log ratio after one update")
+            ax.set_ylabel("tokens")
         axes.flat[0].legend(fontsize=6)
         fig.suptitle(
             f"log-ratio histograms, {variant}, {checkpoints[-1]} checkpoint, lr {hist_lr}; line: log 0.8", fontsize=9

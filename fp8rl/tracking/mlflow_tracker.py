@@ -27,7 +27,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +38,7 @@ PARAM_VALUE_LIMIT = 6000
 RETRY_EVERY_S = 30.0
 FINISH_WAIT_S = 120.0
 WAL_NAME = "tracking_wal.jsonl"
+DATASET_CONTEXT_TAG = "mlflow.data.context"  # MLflow's standard input tag: training / evaluation
 EXPERIMENT_KIND = "finetuning"  # the MLflow UI's model-training view (not the GenAI one)
 _CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 _METRIC_NAME_INVALID = re.compile(r"[^A-Za-z0-9_\-. :/]")  # what MLflow accepts in a metric name
@@ -56,6 +57,7 @@ class Tracker(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_figure(self, figure: Any, artifact_file: str) -> None: ...
+    def log_datasets(self, describe: Callable[[], list[dict[str, str]]]) -> None: ...
     def last_logged_step(self) -> int: ...
     def finish(self, status: str = "FINISHED") -> None: ...
 
@@ -76,6 +78,9 @@ class NullTracker:
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         return None
+
+    def log_datasets(self, describe: Callable[[], list[dict[str, str]]]) -> None:
+        return None  # describing the data sets costs seconds (a digest of every problem): only when tracked
 
     def last_logged_step(self) -> int:
         return self.history[-1][0] if self.history else -1
@@ -181,6 +186,27 @@ class MlflowTracker:
         local.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(local, dpi=110, bbox_inches="tight")
         self.log_artifact(local, str(Path("figures", artifact_file).parent))
+
+    def log_datasets(self, describe: Callable[[], list[dict[str, str]]]) -> None:
+        """The run's data sets as MLflow dataset inputs; `describe()` gives one record per data set (MLflow's
+        dataset fields as text, plus ``context``: `fp8rl.tracking.datasets`). Kept in the WAL while offline."""
+        self._log_dataset_records(describe())
+
+    def _log_dataset_records(self, datasets: list[dict[str, str]]) -> None:
+        if not self.online:
+            self._write_wal({"kind": "datasets", "datasets": datasets})
+            return
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = []
+        for record in datasets:
+            fields = {k: v for k, v in record.items() if k != "context"}
+            tags = [InputTag(DATASET_CONTEXT_TAG, record["context"])] if "context" in record else []
+            inputs.append(DatasetInput(Dataset(**fields), tags=tags))
+        try:
+            self._client.log_inputs(self.run_id, datasets=inputs)
+        except Exception as err:  # noqa: BLE001 - a data set description that fails must not stop training
+            log.warning("could not log the run's data sets: %s", err)
 
     def last_logged_step(self) -> int:
         return self._confirmed_step
@@ -328,6 +354,8 @@ class MlflowTracker:
                 self._send(record)
             elif record["kind"] == "artifact" and Path(record["path"]).exists():
                 self.log_artifact(record["path"], record.get("artifact_path"))
+            elif record["kind"] == "datasets":
+                self._log_dataset_records(record["datasets"])
 
     def _start_system_metrics(self) -> None:
         if not self.spec.system_metrics or self._system_monitor is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8rl.algos.calibration import CalibStatus
 from fp8rl.tracking import Tracker
 from fp8rl.trainer import checkpoint as ckpt
 from fp8rl.trainer.export import export_hf_checkpoint
@@ -25,6 +26,7 @@ from fp8rl.trainer.loop import RLTrainer, StepResult
 from fp8rl.trainer.shadow import close_figure, ratio_histogram_figure
 
 log = logging.getLogger("fp8rl.train")
+CALIB_FLAG_NAMES = tuple(flag.name.lower() for flag in CalibStatus if flag is not CalibStatus.OK)
 LINE_KEYS = (  # (metric, label, format) of the per-step log line
     ("rollout/reward", "reward", "{:.3f}"),
     ("rollout/entropy", "entropy", "{:.3f}"),
@@ -110,7 +112,8 @@ def fit(
 
 
 def step_line(step: int, total: int, metrics: dict[str, float], seconds_per_step: float) -> str:
-    """``step 3/40 | reward 0.812 | entropy 0.213 | low_neg 0.0123 | bounds 0.800/1.200 | 1.2 s/step``."""
+    """``step 3/40 | reward 0.812 | entropy 0.213 | low_neg 0.0123 | bounds 0.800/1.200 | 1.2 s/step``, with
+    ``calibration ok`` (or the flags that fired) on a calibration step."""
     parts = [f"step {step}/{total}"]
     for key, label, fmt in LINE_KEYS:
         if key not in metrics:
@@ -119,10 +122,20 @@ def step_line(step: int, total: int, metrics: dict[str, float], seconds_per_step
         if key == "clip/bound_low" and "clip/bound_high" in metrics:
             value += "/" + fmt.format(metrics["clip/bound_high"])
         parts.append(f"{label} {value}")
+    if "clip/calib_ok" in metrics:  # a calibration step: the rule(s) that fired, in words
+        parts.append(f"calibration {calibration_words(metrics)}")
     if metrics.get("train/skipped"):
         parts.append("NON-FINITE: rolled back")
     parts.append(f"{seconds_per_step:.2f} s/step")
     return " | ".join(parts)
+
+
+def calibration_words(metrics: dict[str, float]) -> str:
+    """``"ok"``, or the CalibStatus flags that fired (``"alpha_zero+p_unreachable"``), from ``clip/calib_<flag>``."""
+    if metrics.get("clip/calib_ok") == 1.0:
+        return "ok"
+    fired = [name for name in CALIB_FLAG_NAMES if metrics.get(f"clip/calib_{name}") == 1.0]
+    return "+".join(fired) or "?"
 
 
 def _rank_and_world() -> tuple[int, int]:

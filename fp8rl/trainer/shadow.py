@@ -195,7 +195,8 @@ def ratio_histogram_figure(hist: dict[str, Any]) -> Any:
         ax.step(centers, hist[f"fp8_{sign}"], where="mid", color=color, label=f"FP8, {label}")
         ax.step(centers, hist[f"bf16_{sign}"], where="mid", color=color, linestyle="--", alpha=0.7,
                 label=f"BF16 shadow, {label}")  # fmt: skip
-    ax.set_yscale("log")
+    if any(count > 0 for key in ("fp8_neg", "fp8_pos", "bf16_neg", "bf16_pos") for count in hist[key]):
+        ax.set_yscale("log")  # (a step whose pool is empty keeps a linear axis: log of nothing warns)
     ax.set_xlabel("importance ratio pi_theta / pi_old")
     ax.set_ylabel("tokens")
     ax.set_title(f"step {hist['step']}: ratios after an update (pooled shadow tokens)", fontsize=9)

@@ -126,3 +126,53 @@ def test_the_dry_run_names_each_paper_runs_model_data_evaluation_and_layout() ->
     assert model == "Qwen/Qwen3-14B-Base" and data == "dapo_math_17k (hub)"
     assert evaluation.startswith("aime24, aime25, amc23, math500;") and "32 samples" in evaluation
     assert "TP 4 x PP 1 x DP 2" in layout
+
+
+class _FakeJob:
+    """A submitit job that finishes after `polls` looks (or never), with a result or an exception."""
+
+    def __init__(self, job_id: int, polls: int | None, outcome: object) -> None:
+        self.job_id, self.polls, self.outcome = job_id, polls, outcome
+
+    def done(self) -> bool:
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def result(self) -> object:
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+
+def _slurm_runs(tmp_path: Path, outcomes: list[tuple[int | None, object]], monkeypatch) -> list:
+    from fp8rl.launch import sweep
+
+    definition = expand_points([["precision=bf16"], ["precision=fp8_full"]], ["scale=tiny"])
+    runs = prepare(definition, "s", resolve_launcher("local"), "x", tmp_path)
+    jobs = iter(_FakeJob(i, polls, outcome) for i, (polls, outcome) in enumerate(outcomes, start=100))
+    executor = type("Executor", (), {"submit": lambda self, fn: next(jobs)})()
+    monkeypatch.setattr(sweep, "make_executor", lambda *a: executor)
+    monkeypatch.setattr(sweep, "SLURM_POLL_S", 0.01)
+    return runs
+
+
+def test_slurm_jobs_are_collected_as_they_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fp8rl.launch.sweep import Progress, _submit_slurm
+
+    runs = _slurm_runs(tmp_path, [(3, {"run_id": "a"}), (1, RuntimeError("diverged"))], monkeypatch)
+    lines: list[str] = []
+    progress = Progress(2, "s", echo=lambda line, flush=False: lines.append(line))
+    _submit_slurm(runs, "s", resolve_launcher("local"), tmp_path, True, None, progress)
+    assert runs[0].result == {"run_id": "a"} and runs[1].error == "RuntimeError: diverged"
+    assert lines[0].startswith("[s 1/2] ") and "FAILED (RuntimeError: diverged)" in lines[0]  # the first to finish
+
+
+def test_slurm_jobs_still_running_at_the_timeout_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fp8rl.launch.sweep import _submit_slurm
+
+    runs = _slurm_runs(tmp_path, [(0, {"run_id": "a"}), (None, None)], monkeypatch)
+    with pytest.raises(TimeoutError, match="jobs 101 still running"):
+        _submit_slurm(runs, "s", resolve_launcher("local"), tmp_path, True, 0.2, None)
+    assert runs[0].result == {"run_id": "a"}

@@ -1,0 +1,40 @@
+"""A tracked run is a first-class MLflow run: its description shows the command as typed, its data sets are
+inputs, and running the same finished command again leaves the run as it was."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from mlflow.tracking import MlflowClient
+
+from fp8rl.config import RunConfig, with_overrides
+from fp8rl.job import run_job
+from fp8rl.job.run import describe, shown_command
+
+
+def test_the_command_is_shown_as_typed_without_local_paths(monkeypatch) -> None:
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="fp8rl.demo")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", ["/work/x/fp8rl/demo.py", "--steps", "3"])
+    assert shown_command() == "python -m fp8rl.demo --steps 3"
+    monkeypatch.setattr(main, "__spec__", None)
+    monkeypatch.setattr(sys, "argv", ["/work/x/.venv/bin/fp8rl", "sweep", "grpo_granularity"])
+    assert shown_command() == "fp8rl sweep grpo_granularity"
+    assert describe(RunConfig(), "r").endswith("Command: `fp8rl sweep grpo_granularity`")
+
+
+def test_a_finished_run_is_not_reopened_by_the_same_command(small_cfg: RunConfig, sqlite_uri: str) -> None:
+    cfg = with_overrides(small_cfg, {"tracking.enabled": True, "tracking.tracking_uri": sqlite_uri,
+                                     "trainer.steps": 1})  # fmt: skip
+    first = run_job(cfg)
+    client = MlflowClient(sqlite_uri)
+    before = client.get_run(first.run_id)
+    again = run_job(cfg)  # its checkpoint is there too: nothing to resume
+    after = client.get_run(first.run_id)
+    assert again.run_id == first.run_id and after.info.status == "FINISHED"
+    assert after.info.end_time == before.info.end_time
+    contexts = {i.dataset.name: {t.key: t.value for t in i.tags} for i in after.inputs.dataset_inputs}
+    assert contexts["arithmetic-train"]["mlflow.data.context"] == "training"
+    assert contexts["arithmetic-heldout"]["mlflow.data.context"] == "evaluation"

@@ -1,0 +1,91 @@
+"""Training-curve figures from a real (sqlite) MLflow store holding a small synthetic three-seed sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.colors import to_rgb
+
+from fp8rl.launch.sweep import ensure_parent
+from fp8rl.report import figures
+from fp8rl.report.frames import load_runs
+from fp8rl.tracking import store as runs
+
+EXPERIMENT = "grpo_granularity-tiny"
+ARMS = {  # arm -> run tags the trainer sets
+    "bf16": {"precision": "bf16", "recipe": "none", "clipping": "standard"},
+    "fp8_tensorwise": {"precision": "fp8_full", "recipe": "tensorwise", "clipping": "standard"},
+    "cc_tensorwise": {"precision": "fp8_full", "recipe": "tensorwise", "clipping": "calibrated"},
+    "cc_rowwise": {"precision": "fp8_full", "recipe": "rowwise", "clipping": "calibrated"},
+}
+
+
+def _child(client, exp_id: str, parent: str, arm: str, seed: int) -> None:
+    from mlflow.entities import Metric
+
+    tags = {"mlflow.parentRunId": parent, "sweep.arm": arm, "fp8rl.config_hash": f"{arm}-{seed}", **ARMS[arm]}
+    run_id = client.create_run(exp_id, tags=tags, run_name=f"{arm}-{seed}").info.run_id
+    low = 0.8 if ARMS[arm]["clipping"] == "standard" else 0.75
+    metrics = []
+    for step in range(1, 11):
+        metrics += [Metric("rollout/entropy", 0.2 + 0.01 * seed + 0.001 * step, 0, step)]
+        metrics += [Metric("clip/bound_low", low, 0, step), Metric("clip/bound_high", 1.2, 0, step)]
+        metrics += [Metric("rollout/garbled_rate", 0.01 * seed, 0, step)]
+    client.log_batch(run_id, metrics=metrics)
+    client.set_terminated(run_id, "FINISHED")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = runs.client(uri)
+    exp_id = runs.experiment_id(client, EXPERIMENT, create=True)
+    parent = ensure_parent(client, exp_id, EXPERIMENT, {"fp8rl.axes": "sweep.arm,sweep.trainer.seed"})
+    for arm in ARMS:
+        for seed in range(3):
+            _child(client, exp_id, parent, arm, seed)
+    return uri
+
+
+def _texts(fig) -> list[str]:
+    texts = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text"))]
+    return [t for t in texts if t]
+
+
+def test_curves_have_seed_bands_labelled_axes_and_no_local_path(store: str, tmp_path: Path) -> None:
+    keys = [key for panel in figures.CURVE_PANELS for key in panel.keys]
+    run_data, group_by, _ = load_runs(EXPERIMENT, keys, tracking_uri=store)
+    fig = figures.curve_figure(EXPERIMENT, run_data, group_by)
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    assert all(ax.get_ylabel() and ax.get_xlabel() == "RL step" for ax in fig.axes)
+    entropy = axes["rollout entropy"]
+    assert entropy.get_ylabel() == "entropy (nats / token)"
+    bands = [c for c in entropy.collections if isinstance(c, PolyCollection)]
+    assert len(bands) == len(ARMS)  # one ± sd band per arm (seeds differ)
+    assert any("clip bounds" in title for title in axes) and "garbled rollouts" in axes
+    assert not any(str(tmp_path) in text or "sqlite" in text for text in _texts(fig))
+    figures._plt().close(fig)
+
+
+def test_colour_is_the_recipe_and_line_style_the_method(store: str) -> None:
+    run_data, group_by, _ = load_runs(EXPERIMENT, ["rollout/entropy"], tracking_uri=store)
+    groups: dict = {}
+    for run in run_data:
+        groups.setdefault(run.group, []).append(run)
+    styles = {group[0]: style for group, style in figures.arm_styles(groups, group_by).items()}
+    assert styles["bf16"].color == to_rgb("black") and styles["bf16"].linestyle == "-"
+    assert styles["fp8_tensorwise"].color == styles["cc_tensorwise"].color == to_rgb("tab:blue")
+    assert (styles["fp8_tensorwise"].linestyle, styles["cc_tensorwise"].linestyle) == ("--", "-")
+    assert styles["cc_rowwise"].color == to_rgb("tab:orange")
+    assert styles["cc_tensorwise"].label.startswith("FP8 + CC tensorwise (arm=cc_tensorwise; 3 seeds)")
+
+
+def test_figures_are_written_and_attached_to_the_sweeps_parent_run(store: str, tmp_path: Path) -> None:
+    written = figures.training_curves(EXPERIMENT, tmp_path / "figures", tracking_uri=store)
+    assert sorted(p.name for p in written) == [f"{EXPERIMENT}_curves.pdf", f"{EXPERIMENT}_curves.png"]
+    client = runs.client(store)
+    parent = runs.find_parent(client, runs.experiment_id(client, EXPERIMENT, create=False), EXPERIMENT)
+    attached = sorted(a.path for a in client.list_artifacts(parent.info.run_id, "figures"))
+    assert attached == [f"figures/{EXPERIMENT}_curves.pdf", f"figures/{EXPERIMENT}_curves.png"]
