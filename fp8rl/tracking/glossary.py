@@ -25,6 +25,8 @@ CALIBRATION_RULES = {  # a calibration's outcome (CalibStatus, fp8rl.algos.calib
     "no_ref_neg_contrib": "BF16's negative contribution was 0, so its p is undefined: high kept standard",
     "no_neg_contrib": "FP8's negative contribution was 0, so p is undefined: high kept standard",
     "p_unreachable": "no upper bound reaches BF16's p: the closest reachable high is used",
+    "tail_fit": "BF16 clipped fewer than clipping.min_clipped negative tokens: low is FP8's ratio at the standard "
+    "score of BF16's bound under a log-normal fit (too few clipped tokens for an empirical quantile)",
 }
 
 ROLLOUT = {
@@ -94,6 +96,10 @@ CLIP = {
     "would not (the vanilla FP8 run's over-clipping)",
     "clip/shadow_underclip_neg": "shadow step, standard bounds: share of pooled negative tokens BF16 clips and FP8 "
     "does not",
+    "clip/shadow_ref_log_ratio_std": "shadow step: standard deviation of BF16's log-ratio over the pooled tokens "
+    "(the size of the real update: the signal)",
+    "clip/shadow_fp8_noise_std": "shadow step: standard deviation of log r_FP8 - log r_BF16 over the pooled tokens "
+    "(FP8's noise floor)",
     "clip/shadow_ref_low_neg": "shadow step: share of pooled negative tokens BF16 clips at the standard low bound",
     "clip/shadow_fp8_low_neg": "shadow step: share of pooled negative tokens FP8 clips at the standard low bound",
     "clip/cc_oos_overclip_neg": "shadow step, out of sample: over-clipping of negative tokens with bounds "

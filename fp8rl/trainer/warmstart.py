@@ -14,7 +14,9 @@ the cache.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -221,9 +223,34 @@ def warmstart(model_cfg: ModelConfig, task: Task, task_cfg: TaskConfig, ws_cfg: 
     resolved_cfg = with_tokenizer_vocab(model_cfg, task.tokenizer.vocab_size)
     key = warmstart_key(resolved_cfg, task_cfg, ws_cfg)
     weights_path, metadata_path = cache_paths(Path(ws_cfg.cache_dir), key)
-    if weights_path.exists() and metadata_path.exists():
-        return WarmStartResult(weights_path, json.loads(metadata_path.read_text()))
+    # Runs of a sweep that start together share one warm start: the first trains it, the others wait for it.
+    with _exclusive(weights_path.with_suffix(".lock")):
+        if weights_path.exists() and metadata_path.exists():
+            return WarmStartResult(weights_path, json.loads(metadata_path.read_text()))
+        return _train_and_cache(resolved_cfg, task, task_cfg, ws_cfg, key, weights_path, metadata_path)
 
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive lock on ``lock_path`` (POSIX ``flock``: released when the process dies)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _train_and_cache(
+    resolved_cfg: ModelConfig,
+    task: Task,
+    task_cfg: TaskConfig,
+    ws_cfg: WarmStartConfig,
+    key: str,
+    weights_path: Path,
+    metadata_path: Path,
+) -> WarmStartResult:
     started = time.perf_counter()
     model = train_warmstart(resolved_cfg, task, ws_cfg)
     train_seconds = time.perf_counter() - started

@@ -1,4 +1,5 @@
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +136,15 @@ def test_stops_at_the_first_check_that_reaches_the_accuracy(task, model_cfg, mon
     assert model.warmstart_trace == [[2, 0.1], [4, 0.3], [6, 0.55]]
     unstopped = train_warmstart(model_cfg, task, QUICK)
     assert (unstopped.warmstart_steps_done, unstopped.warmstart_trace) == (2, [])
+
+
+def test_a_warm_start_being_trained_holds_its_lock_until_cached(tmp_path: Path) -> None:
+    import fcntl
+
+    from fp8rl.trainer.warmstart import _exclusive
+
+    lock = tmp_path / "cache" / "warmstart-k.lock"
+    with _exclusive(lock), open(lock) as other, pytest.raises(BlockingIOError):
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a second run waits while the first trains
+    with open(lock) as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once the first is done
