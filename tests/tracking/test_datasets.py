@@ -66,3 +66,14 @@ def test_data_sets_described_offline_reach_mlflow_when_the_run_is_uploaded(tmp_p
     tracker.finish()
     run_id = sync(tmp_path, sqlite_uri)
     assert _inputs(sqlite_uri, run_id) == [("arithmetic-heldout", "evaluation"), ("arithmetic-train", "training")]
+
+
+def test_every_generated_task_names_its_generator_and_settings() -> None:
+    from fp8rl.tasks import task_names
+    from fp8rl.tracking.datasets import GENERATOR_SETTINGS
+
+    assert set(task_names()) - {"math"} == set(GENERATOR_SETTINGS)  # a new task says where its problems come from
+    train, heldout = task_datasets(TaskConfig(name="chain", num_digits=1), TRAIN, HELDOUT)
+    assert (train["name"], heldout["name"]) == ("chain-train", "chain-heldout")
+    tags = json.loads(train["source"])["tags"]
+    assert tags["mlflow.source.name"] == "fp8rl.tasks.chain" and "junk_tokens=16" in tags["generator"]
