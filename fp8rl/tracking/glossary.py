@@ -39,6 +39,8 @@ ROLLOUT = {
     "rollout/garbled_invalid_token": "share of rollouts with a token outside the answer grammar before <eos>",
     "rollout/garbled_no_eos": "share of rollouts with no <eos> within the response length limit",
     "rollout/garbled_unparseable": "share of rollouts with only grammar tokens but no readable answer",
+    "rollout/junk_token_rate": "chain task: share of rollout response tokens that are junk letters (never right)",
+    "rollout/junk_response_rate": "chain task: share of rollouts with at least one junk letter",
     "rollout/dropped_groups": "DAPO dynamic sampling: groups without reward variation dropped (all ranks)",
     "rollout/sampling_rounds": "DAPO dynamic sampling: rounds sampled this step to fill the batch",
     "rollout/kept_groups": "DAPO dynamic sampling: groups with reward variation collected (at most the batch)",

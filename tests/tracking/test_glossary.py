@@ -57,3 +57,14 @@ def test_the_rendered_glossary_has_one_two_cell_row_per_entry() -> None:
     assert len(rows) == len(METRICS)
     assert all(len(re.split(r"(?<!\\)\|", row)) == 4 for row in rows)  # |A| in a meaning is escaped
     assert all(text.strip() for text in METRICS.values())
+
+
+def test_the_chain_tasks_own_metrics_have_glossary_lines() -> None:
+    from fp8rl.config import TaskConfig
+    from fp8rl.tasks import build_task, garble_metrics, response_metrics
+
+    task = build_task(TaskConfig(name="chain", num_digits=1, num_train=8, num_eval=8))
+    responses = [task.target_ids(p) for p in task.train_problems[:4]]
+    logged = {*response_metrics(task, responses), *garble_metrics([task.garble_reason(r) for r in responses])}
+    assert "rollout/junk_token_rate" in logged
+    assert unexplained(logged) == [], "add these metrics to fp8rl/tracking/glossary.py"
