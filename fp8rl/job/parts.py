@@ -117,7 +117,8 @@ def start_weights(cfg: RunConfig, task: Task, hf_folder: str | None) -> StartWei
         return StartWeights(model_cfg, None, f"random initialisation (seed {cfg.warmstart.seed})")
     result = rank_zero_first(lambda: warmstart_here_or_apart(cfg, model_cfg, task))
     accuracy = result.metadata.get("eval/accuracy", float("nan"))
-    source = f"{cfg.warmstart.steps}-step supervised warm start ({accuracy:.1%} greedy held-out accuracy)"
+    steps = result.metadata.get("steps_done", cfg.warmstart.steps)  # fewer when stopped at an accuracy
+    source = f"{steps}-step supervised warm start ({accuracy:.1%} greedy held-out accuracy)"
     return StartWeights(model_cfg, safetensors.torch.load_file(str(result.weights_path)), source)
 
 
