@@ -129,7 +129,8 @@ figures: setup
 COLLAPSE = $(VENV)/bin/fp8rl sweep collapse --launcher local --scale tiny --max-parallel 3 trainer.threads=1 $(SWEEP_ARGS)
 COLLAPSE_REPORT = $(PY) -m fp8rl.studies.collapse --scale tiny --out results/tiny
 COLLAPSE_PILOT_LRS ?= 3e-6,1e-5,3e-5,1e-4
-COLLAPSE_CONTROL_STEPS ?= 100
+# The control's length: 10 minutes at the pilot's 5.1 s/step (results/tiny/collapse_pilot.md), at least 100.
+COLLAPSE_CONTROL_STEPS ?= 117
 collapse-pilot: setup
 	$(COLLAPSE) +experiment/arm=fp8_tensorwise_kv algo.lr=$(COLLAPSE_PILOT_LRS) trainer.steps=10 trainer.shadow_every=1 \
 		eval.every=0 eval.size=64 tracking.experiment=collapse_pilot-tiny
