@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fp8rl.config import TaskConfig
 from fp8rl.tasks.base import HELDOUT, Problem, register_task
-from fp8rl.tasks.tokenizer import CharTokenizer, build_char_tokenizer
+from fp8rl.tasks.tokenizer import CharTask, CharTokenizer, build_char_tokenizer
 
 DIGITS = "0123456789"
 OPERATIONS = "+-*"
@@ -106,7 +106,7 @@ def longest_answer_length(cfg: ProblemSpace) -> int:
     return max(lengths[op] for op in cfg.operations)
 
 
-class ArithmeticTask:
+class ArithmeticTask(CharTask):
     """Arithmetic problems, their character tokenizer, exact-match reward and garble detector.
 
     ``fixed_width`` and ``response_slack`` (response limit = longest possible answer + <eos> + slack) are
@@ -127,35 +127,16 @@ class ArithmeticTask:
         self.max_response_tokens: int = longest_answer_length(space) + 1 + response_slack
         self._answer_ids = frozenset(self.tokenizer.encode(ANSWER_CHARS, add_bos=False))
 
-    def prompt_ids(self, problem: Problem) -> list[int]:
-        """<bos> then the prompt characters."""
-        return self.tokenizer.encode(problem.prompt)
-
-    def target_ids(self, problem: Problem) -> list[int]:
-        """The answer characters then <eos> (the supervised warm start's targets)."""
-        return [*self.tokenizer.encode(problem.answer, add_bos=False), self.tokenizer.eos_id]
-
-    def rewards(self, problems: Sequence[Problem], responses: Sequence[Sequence[int]]) -> list[float]:
-        """Exact-match reward of each response."""
-        return [self.reward(p, r) for p, r in zip(problems, responses, strict=True)]
-
-    def _split_at_eos(self, response_ids: Sequence[int]) -> tuple[list[int], bool]:
-        """Tokens before the first <eos> within the length limit, and whether that <eos> exists."""
-        window = [int(token) for token in response_ids[: self.max_response_tokens]]
-        if self.tokenizer.eos_id in window:
-            return window[: window.index(self.tokenizer.eos_id)], True
-        return window, False
-
     def reward(self, problem: Problem, response_ids: Sequence[int]) -> float:
         """1.0 iff <eos> came in time and every token before it spells exactly the answer (canonical form)."""
-        body, has_eos = self._split_at_eos(response_ids)
+        body, has_eos = self.split_at_eos(response_ids)
         if not has_eos or any(token not in self._answer_ids for token in body):
             return 0.0
         return 1.0 if self.tokenizer.decode(body) == problem.answer else 0.0
 
     def garble_reason(self, response_ids: Sequence[int]) -> str | None:
         """ "invalid_token", "no_eos", "unparseable" (checked in this order), or None if well formed."""
-        body, has_eos = self._split_at_eos(response_ids)
+        body, has_eos = self.split_at_eos(response_ids)
         if any(token not in self._answer_ids for token in body):
             return "invalid_token"
         if not has_eos:

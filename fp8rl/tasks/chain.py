@@ -23,7 +23,7 @@ from itertools import accumulate
 
 from fp8rl.config import TaskConfig
 from fp8rl.tasks.base import HELDOUT, Problem, register_task
-from fp8rl.tasks.tokenizer import CharTokenizer, build_char_tokenizer
+from fp8rl.tasks.tokenizer import CharTask, CharTokenizer, build_char_tokenizer
 
 DIGITS = "0123456789"
 ANSWER_CHARS = DIGITS + ","
@@ -72,7 +72,7 @@ def longest_chain(cfg: TaskConfig) -> int:
     return sum(widths) + len(widths) - 1
 
 
-class ChainTask:
+class ChainTask(CharTask):
     """Running-sum chains of multi-operand sums, their character tokenizer (with junk letters), reward and
     garble detector (module docstring)."""
 
@@ -91,23 +91,9 @@ class ChainTask:
         self._answer_ids = frozenset(self.tokenizer.encode(ANSWER_CHARS, add_bos=False))
         self._junk_ids = frozenset(self.tokenizer.encode(self.junk, add_bos=False)) if self.junk else frozenset()
 
-    def prompt_ids(self, problem: Problem) -> list[int]:
-        """<bos> then the prompt characters."""
-        return self.tokenizer.encode(problem.prompt)
-
-    def target_ids(self, problem: Problem) -> list[int]:
-        """The chain's characters then <eos> (the supervised warm start's targets)."""
-        return [*self.tokenizer.encode(problem.answer, add_bos=False), self.tokenizer.eos_id]
-
-    def _split_at_eos(self, response_ids: Sequence[int]) -> tuple[list[int], bool]:
-        window = [int(token) for token in response_ids[: self.max_response_tokens]]
-        if self.tokenizer.eos_id in window:
-            return window[: window.index(self.tokenizer.eos_id)], True
-        return window, False
-
     def reward(self, problem: Problem, response_ids: Sequence[int]) -> float:
         """1.0 iff <eos> came in time, the body parses as a chain and its last number is the sum."""
-        body, has_eos = self._split_at_eos(response_ids)
+        body, has_eos = self.split_at_eos(response_ids)
         if not has_eos or any(token not in self._answer_ids for token in body):
             return 0.0
         text = self.tokenizer.decode(body)
@@ -115,12 +101,9 @@ class ChainTask:
             return 0.0
         return 1.0 if int(text.rsplit(",", 1)[-1]) == int(problem.answer.rsplit(",", 1)[-1]) else 0.0
 
-    def rewards(self, problems: Sequence[Problem], responses: Sequence[Sequence[int]]) -> list[float]:
-        return [self.reward(p, r) for p, r in zip(problems, responses, strict=True)]
-
     def garble_reason(self, response_ids: Sequence[int]) -> str | None:
         """ "invalid_token", "no_eos", "unparseable" (checked in this order), or None if well formed."""
-        body, has_eos = self._split_at_eos(response_ids)
+        body, has_eos = self.split_at_eos(response_ids)
         if any(token not in self._answer_ids for token in body):
             return "invalid_token"
         if not has_eos:

@@ -10,6 +10,7 @@ text prompts get it too); ``encode(text, add_bos=False)`` does not. The saved di
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -91,3 +92,31 @@ def build_char_tokenizer(alphabet: str) -> CharTokenizer:
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
     return CharTokenizer(tokenizer)
+
+
+class CharTask:
+    """What the character-level tasks (arithmetic, chain) share: prompt and target ids, the response body
+    before <eos> and the batch reward. A subclass sets ``tokenizer`` and ``max_response_tokens`` and defines
+    ``reward(problem, response_ids)``."""
+
+    tokenizer: CharTokenizer
+    max_response_tokens: int
+
+    def prompt_ids(self, problem) -> list[int]:
+        """<bos> then the prompt characters."""
+        return self.tokenizer.encode(problem.prompt)
+
+    def target_ids(self, problem) -> list[int]:
+        """The answer characters then <eos> (the supervised warm start's targets)."""
+        return [*self.tokenizer.encode(problem.answer, add_bos=False), self.tokenizer.eos_id]
+
+    def rewards(self, problems: Sequence, responses: Sequence[Sequence[int]]) -> list[float]:
+        """The reward of each response."""
+        return [self.reward(p, r) for p, r in zip(problems, responses, strict=True)]
+
+    def split_at_eos(self, response_ids: Sequence[int]) -> tuple[list[int], bool]:
+        """Tokens before the first <eos> within the length limit, and whether that <eos> exists."""
+        window = [int(token) for token in response_ids[: self.max_response_tokens]]
+        if self.tokenizer.eos_id in window:
+            return window[: window.index(self.tokenizer.eos_id)], True
+        return window, False
