@@ -141,10 +141,13 @@ collapse-control: setup
 		tracking.experiment=collapse_control-tiny
 	$(COLLAPSE_REPORT) control
 
-collapse: setup
-	for seed in $(subst $(comma), ,$(SEEDS)); do $(COLLAPSE) trainer.seed=$$seed || exit 1; done
-	$(REPORT) table collapse
-	$(COLLAPSE_REPORT) verdict
+# The whole pre-registered study: pilot, control, and the 9 runs only if the control accumulates junk (exit 3
+# of `control --gate` stops it there, as the design says). Finished runs are found in MLflow and not re-run.
+collapse: collapse-pilot collapse-control
+	@$(COLLAPSE_REPORT) control --gate; status=$$?; \
+	if [ $$status -eq 3 ]; then exit 0; elif [ $$status -ne 0 ]; then exit $$status; fi; \
+	for seed in $(subst $(comma), ,$(SEEDS)); do $(COLLAPSE) trainer.seed=$$seed || exit 1; done; \
+	$(REPORT) table collapse && $(COLLAPSE_REPORT) verdict
 
 reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures
 	$(REPORT) index

@@ -39,6 +39,7 @@ LAST_STEPS = 50  # E1 and the control's window
 CONTROL_MIN_RISE = 0.002
 ARMS = {"bf16": "bf16", "vanilla": "fp8_tensorwise_kv", "cc": "cc_tensorwise_kv"}
 CONTROL_ARM = "control_overclip"
+STOPPED = 3  # exit code of `control --gate` when the control shows nothing: the study is not run
 
 
 def window_mean(run: RunData, key: str, last: int = LAST_STEPS, until: int | None = None) -> float:
@@ -178,7 +179,7 @@ def write_pilot(experiment: str, out: Path, uri: str | None) -> Path:
     return path
 
 
-def write_control(control_experiment: str, out: Path, uri: str | None) -> Path:
+def write_control(control_experiment: str, out: Path, uri: str | None) -> tuple[Path, ControlResult]:
     """The control and a BF16 run of the same seed and length (the study's BF16 seed 0 up to that step: the
     learning rate is constant, so the two are the same run up to there)."""
     found, _, uri = load_runs(control_experiment, [JUNK], group_by=["arm"], tracking_uri=uri)
@@ -199,7 +200,7 @@ def write_control(control_experiment: str, out: Path, uri: str | None) -> Path:
     ]
     path = out / "collapse_control.md"
     path.write_text("\n".join(text) + "\n")
-    return path
+    return path, result
 
 
 def write_verdict(experiment: str, out: Path, uri: str | None) -> Path:
@@ -228,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", default="tiny")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tracking-uri", default=None)
+    parser.add_argument(
+        "--gate",
+        action="store_true",
+        help="control: exit 3 when the control does not accumulate junk (the study stops there, as pre-registered)",
+    )
     args = parser.parse_args(argv)
     out = args.out or Path("results") / args.scale
     out.mkdir(parents=True, exist_ok=True)
@@ -235,7 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "pilot":
         path = write_pilot(f"collapse_pilot-{args.scale}", out, args.tracking_uri)
     elif args.what == "control":
-        path = write_control(f"collapse_control-{args.scale}", out, args.tracking_uri)
+        path, result = write_control(f"collapse_control-{args.scale}", out, args.tracking_uri)
+        if args.gate and not result.accumulates:
+            print(
+                f"wrote {path}\nThe positive control did not accumulate junk: by the pre-registered rule the task "
+                "cannot show the consequence and the study stops here (results/README.md)."
+            )
+            return STOPPED
     else:
         path = write_verdict(experiment, out, args.tracking_uri)
     print(f"wrote {path}")

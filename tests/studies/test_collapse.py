@@ -71,3 +71,11 @@ def test_control_rule_and_pilot_choice() -> None:
     pilot = pd.DataFrame({"lr": [3e-6, 1e-5, 3e-5], "spread <= noise": [True, True, False]})
     assert c.choose_lr(pilot) == 1e-5
     assert c.choose_lr(pilot.assign(**{"spread <= noise": False})) == 3e-6
+
+
+@pytest.mark.parametrize(("accumulates", "code"), [(False, c.STOPPED), (True, 0)])
+def test_the_study_stops_when_the_control_shows_nothing(accumulates, code, tmp_path, monkeypatch) -> None:
+    result = c.ControlResult(117, 0.02 if accumulates else 0.0001, 0.0001, accumulates)
+    monkeypatch.setattr(c, "write_control", lambda *a: (tmp_path / "collapse_control.md", result))
+    assert c.main(["control", "--gate", "--out", str(tmp_path)]) == code
+    assert c.main(["control", "--out", str(tmp_path)]) == 0  # without --gate only the report is written
