@@ -178,11 +178,6 @@ class ClippingConfig:
     init_high: float | None = option(None, "calibrated: upper bound before the first calibration (None = 1 + eps_high)")
     ema: float = option(0.5, "calibrated: smoothing, bound = ema * old + (1 - ema) * calibrated")
     lower_only: bool = option(False, "calibrated: ablation that calibrates only the lower bound")
-    min_clipped: int = option(
-        10,
-        "calibrated: fewest BF16-clipped negative tokens for the paper's empirical quantile; below it the lower "
-        "tail is matched under a log-normal fit (a small batch cannot resolve a < 1% quantile); 0 = always empirical",
-    )
     rollout_correction: str = option("none", "none, or a correction (registry: tis_token, tis_seq, mis_*, icepop)")
     tis_cap: float = option(2.0, "TIS truncation C")
     mis_low: float = option(0.5, "MIS / IcePop: keep tokens whose rollout ratio is >= mis_low")
@@ -195,7 +190,6 @@ class ClippingConfig:
 
     def __post_init__(self) -> None:
         _require(self.interval >= 1, f"clipping.interval={self.interval} must be >= 1")
-        _require(self.min_clipped >= 0, f"clipping.min_clipped={self.min_clipped} must be >= 0")
         _require(self.synthetic_overclip_std >= 0, "clipping.synthetic_overclip_std must be >= 0")
         _require(0 <= self.ema < 1, f"clipping.ema={self.ema} must be in [0, 1)")
         _require(self.tis_cap > 0, f"clipping.tis_cap={self.tis_cap} must be > 0")
@@ -562,7 +556,6 @@ HASH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "task.max_operands": (9,),
     "task.junk_tokens": (16,),
     "clipping.synthetic_overclip_std": (0.0,),
-    "clipping.min_clipped": (0,),
 }
 # Fields renamed since runs were published: hashed under their old name.
 HASH_LEGACY_NAMES = {"eval.every": "trainer.eval_every", "eval.size": "trainer.eval_size"}
@@ -615,11 +608,6 @@ def from_params(params: Mapping[str, str]) -> RunConfig:
         if hint is None:
             raise ConfigError(f"param {key!r}: section {section!r} has no field {name!r}")
         nested.setdefault(section, {})[name] = _parse_param(text, hint)
-    for key, neutral in HASH_NEUTRAL.items():  # a run logged before a field existed ran its neutral value
-        section, _, name = key.partition(".")
-        default = getattr(sections[section](), name, None) if name else None
-        if name and section in nested and key not in params and not _is_neutral(default, neutral):
-            nested[section][name] = neutral[0]
     return from_dict(nested)
 
 

@@ -32,14 +32,6 @@ Project choices (the paper's text is not available; each is a documented default
   on-policy side, always keep their gradient; they are a constant part of every C_j and are not sorted).
   Ratios are compared with the bounds in their own dtype (float32 for 16-bit inputs) and ``high`` is a
   value of that dtype, so a token exactly at a step lands on the intended side.
-- Too few clipped tokens for an empirical quantile (project choice, ``min_clipped``, default 10): the
-  alpha_low quantile of a pool in which BF16 clips k tokens is known only to about 1/sqrt(k); with k of 0-2
-  (a small batch: BF16 clips well under 1% of negative tokens) it is the pool's minimum or nothing, and the
-  bound does not move. When k < ``min_clipped`` the lower tail is matched under a log-normal fit of each
-  precision's negative-token ratios: with (mu, s) the mean and standard deviation of log r over the
-  negative tokens, low = exp(mu_FP8 + s_FP8 * (log(1 - eps_low) - mu_BF16) / s_BF16), the FP8 ratio at the
-  same standard score as BF16's bound (status TAIL_FIT). At the paper's batch sizes k is in the thousands
-  and the paper's empirical rule applies; ``min_clipped=0`` always uses it.
 - Degenerate cases never give NaN; each sets a :class:`CalibStatus` flag:
   EMPTY (no masked token): both bounds standard. NO_NEG (no negative token): low standard.
   ALPHA_ZERO (BF16 clips no negative token): low = min(1 - eps_low, largest float below the smallest FP8
@@ -84,7 +76,6 @@ class CalibStatus(enum.IntFlag):
     NO_REF_NEG_CONTRIB = 16
     NO_NEG_CONTRIB = 32
     P_UNREACHABLE = 64
-    TAIL_FIT = 128
 
 
 @dataclass(frozen=True)
@@ -137,10 +128,9 @@ def calibrate_clip_bounds(
     *,
     calibrate_high: bool = True,
     min_high: float = 1.0,
-    min_clipped: int = 0,
 ) -> ClipBounds:
     """Calibrated FP8 clip bounds (low, high) as python floats; arguments as :func:`calibrate`."""
-    options = {"calibrate_high": calibrate_high, "min_high": min_high, "min_clipped": min_clipped}
+    options = {"calibrate_high": calibrate_high, "min_high": min_high}
     return calibrate(ratio_ref, ratio_fp8, adv, mask, eps_low, eps_high, **options).bounds
 
 
@@ -154,7 +144,6 @@ def calibrate(
     *,
     calibrate_high: bool = True,
     min_high: float = 1.0,
-    min_clipped: int = 0,
 ) -> Calibration:
     """Calibrate the FP8 clip bounds against the BF16 shadow ratios (module docstring).
 
@@ -166,8 +155,6 @@ def calibrate(
         eps_low, eps_high: the standard PPO clip range [1 - eps_low, 1 + eps_high] BF16 uses.
         calibrate_high: False keeps high = 1 + eps_high (the "lower-bound-only" ablation).
         min_high: floor for the calibrated upper bound.
-        min_clipped: fewest BF16-clipped negative tokens for the empirical quantile; fewer: the log-normal
-            tail fit (module docstring). 0: the empirical rule always.
     """
     check_token_shapes(ratio_ref, ratio_fp8, mask, names=("ratio_ref", "ratio_fp8", "mask"))
     if not (0.0 < eps_low < 1.0 and eps_high > 0.0):
@@ -180,9 +167,7 @@ def calibrate(
     n_neg, n_pos = int(negative.sum()), int(positive.sum())
     status = CalibStatus.OK if bool(mask.any()) else CalibStatus.EMPTY
 
-    low, alpha_low, fp8_alpha_standard, low_status = _lower_bound(
-        ratio_ref, ratio_fp8, negative, n_neg, standard.low, min_clipped
-    )
+    low, alpha_low, fp8_alpha_standard, low_status = _lower_bound(ratio_ref, ratio_fp8, negative, n_neg, standard.low)
     status |= low_status
     high, ref_p, p, high_status = _upper_bound(
         ratio_ref, ratio_fp8, adv, mask, positive, n_pos, standard, low, calibrate_high, min_high
@@ -192,12 +177,7 @@ def calibrate(
 
 
 def _lower_bound(
-    ratio_ref: torch.Tensor,
-    ratio_fp8: torch.Tensor,
-    negative: torch.Tensor,
-    n_neg: int,
-    standard_low: float,
-    min_clipped: int = 0,
+    ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, negative: torch.Tensor, n_neg: int, standard_low: float
 ) -> tuple[float, float, float, CalibStatus]:
     """(low, alpha_low, FP8 fraction clipped at the standard low, status) from the negative tokens."""
     if n_neg == 0:
@@ -205,29 +185,12 @@ def _lower_bound(
     fp8_negative = ratio_fp8[negative]
     k = int((ratio_ref[negative] <= standard_low).sum())  # alpha_low * n: tokens BF16 clips
     fp8_alpha_standard = int((fp8_negative <= standard_low).sum()) / n_neg
-    if k < min_clipped:
-        fitted = lognormal_tail_match(ratio_ref[negative], fp8_negative, standard_low)
-        if fitted is not None:
-            return fitted, k / n_neg, fp8_alpha_standard, CalibStatus.TAIL_FIT
     if k == 0:
         below_min = torch.nextafter(fp8_negative.min(), fp8_negative.new_tensor(-math.inf))
         low = max(0.0, min(standard_low, float(below_min)))
         return low, 0.0, fp8_alpha_standard, CalibStatus.ALPHA_ZERO
     low = float(torch.kthvalue(fp8_negative, k).values)  # paper step 1: alpha_low quantile, k-th smallest
     return low, k / n_neg, fp8_alpha_standard, CalibStatus.OK
-
-
-def lognormal_tail_match(ref: torch.Tensor, fp8: torch.Tensor, standard_low: float) -> float | None:
-    """The FP8 ratio at the standard score BF16's ``standard_low`` has, under a log-normal fit of each
-    precision's ratios (1-d tensors of the same tokens); None when a spread is 0 or there are < 2 tokens."""
-    if ref.numel() < 2:
-        return None
-    log_ref, log_fp8 = ref.double().log(), fp8.double().log()
-    ref_std, fp8_std = float(log_ref.std()), float(log_fp8.std())
-    if not (ref_std > 0.0 and fp8_std > 0.0 and math.isfinite(ref_std) and math.isfinite(fp8_std)):
-        return None
-    score = (math.log(standard_low) - float(log_ref.mean())) / ref_std
-    return math.exp(float(log_fp8.mean()) + fp8_std * score)
 
 
 def _divide(numerator: float, denominator: float) -> float:
@@ -401,7 +364,6 @@ class CalibratedClipBounds:
     ema: float = 0.5  # weight of the previous bound; 0 = jump to the calibrated value
     lower_bound_only: bool = False  # ablation: calibrate low, keep high = initial high
     min_high: float = 1.0
-    min_clipped: int = 0  # below this many BF16-clipped negative tokens: the log-normal tail fit
     _low: float = field(init=False, repr=False)
     _high: float = field(init=False, repr=False)
     _next_step: int = field(init=False, repr=False)
@@ -433,11 +395,7 @@ class CalibratedClipBounds:
         self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, step: int
     ) -> ClipBounds:
         """Calibrate on this batch, smooth into the held bounds, schedule the next calibration."""
-        options = {
-            "calibrate_high": not self.lower_bound_only,
-            "min_high": self.min_high,
-            "min_clipped": self.min_clipped,
-        }
+        options = {"calibrate_high": not self.lower_bound_only, "min_high": self.min_high}
         result = calibrate(ratio_ref, ratio_fp8, adv, mask, self.eps_low, self.eps_high, **options)
         low = self.ema * self._low + (1.0 - self.ema) * result.bounds.low  # project choice: EMA smoothing
         high = self._high

@@ -225,7 +225,6 @@ def build_clip_policy(algo: AlgoConfig, clipping: ClippingConfig) -> algos.ClipB
         initial_bounds=initial,
         ema=clipping.ema,
         lower_bound_only=clipping.lower_only,
-        min_clipped=clipping.min_clipped,
     )
 
 

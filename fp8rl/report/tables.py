@@ -55,7 +55,6 @@ TABLE_COLUMNS = (
     Column("BF16 low_neg (shadow)", "clip/shadow_ref_low_neg", "mean", "{:.4f}"),
     Column("calib ok", "clip/calib_ok", "sum", "{:.1f}"),
     Column("calib alpha=0", "clip/calib_alpha_zero", "sum", "{:.1f}"),
-    Column("calib tail fit", "clip/calib_tail_fit", "sum", "{:.1f}"),
     Column("calib p unreachable", "clip/calib_p_unreachable", "sum", "{:.1f}"),
     Column("pool A<0 tokens", "clip/shadow_neg_tokens", "mean", "{:.0f}"),
     Column("reward (mean)", "rollout/reward", "mean"),

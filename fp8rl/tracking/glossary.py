@@ -25,8 +25,6 @@ CALIBRATION_RULES = {  # a calibration's outcome (CalibStatus, fp8rl.algos.calib
     "no_ref_neg_contrib": "BF16's negative contribution was 0, so its p is undefined: high kept standard",
     "no_neg_contrib": "FP8's negative contribution was 0, so p is undefined: high kept standard",
     "p_unreachable": "no upper bound reaches BF16's p: the closest reachable high is used",
-    "tail_fit": "BF16 clipped fewer than clipping.min_clipped negative tokens: low is FP8's ratio at the standard "
-    "score of BF16's bound under a log-normal fit (too few clipped tokens for an empirical quantile)",
 }
 
 ROLLOUT = {

@@ -317,29 +317,3 @@ def test_calibrated_policy_validation():
         CalibratedClipBounds(interval=0)
     with pytest.raises(ValueError, match="initial_bounds"):
         CalibratedClipBounds(initial_bounds=(1.5, 1.2))
-
-
-def test_too_few_bf16_clipped_tokens_match_the_tail_under_a_lognormal_fit() -> None:
-    from fp8rl.algos.calibration import lognormal_tail_match
-
-    gen = torch.Generator().manual_seed(0)
-    log_ref = 0.08 * torch.randn(1, 4000, generator=gen)  # BF16: clips ~0.3% of negative tokens at 0.8
-    log_fp8 = log_ref + 0.06 * torch.randn(1, 4000, generator=gen)  # FP8 noise widens the spread
-    ratio_ref, ratio_fp8 = log_ref.exp(), log_fp8.exp()
-    adv, mask = -torch.ones(1, 4000), torch.ones(1, 4000)
-    small = (slice(None), slice(0, 300))  # a small pool: BF16 clips 0-2 of its tokens
-    fit = calibrate(ratio_ref[small], ratio_fp8[small], adv[small], mask[small], EPS_LOW, EPS_HIGH, min_clipped=10)
-    assert fit.status & CalibStatus.TAIL_FIT
-    # the bound sits at BF16's standard score on FP8's wider spread: log(low) = 0.1 / 0.08 * log(0.8)
-    assert math.log(fit.bounds.low) == pytest.approx(0.1 / 0.08 * math.log(0.8), rel=0.1)
-    # on fresh tokens FP8 then clips about the share BF16 clips at 0.8 (the empirical rule on a small pool
-    # cannot: it lands below the pool's minimum, or on one of two tokens)
-    fresh_ref, fresh_fp8 = ratio_ref[:, 300:], ratio_fp8[:, 300:]
-    bf16_share = float((fresh_ref <= 0.8).float().mean())
-    assert float((fresh_fp8 <= fit.bounds.low).float().mean()) == pytest.approx(bf16_share, rel=0.5)
-    # a pool in which BF16 clips enough tokens (8 of 4000 here) uses the paper's empirical quantile
-    full = calibrate(ratio_ref, ratio_fp8, adv, mask, EPS_LOW, EPS_HIGH, min_clipped=5)
-    assert not full.status & CalibStatus.TAIL_FIT and full.alpha_low == 8 / 4000
-    # degenerate spreads fall back to the empirical rules
-    assert lognormal_tail_match(torch.ones(5), torch.ones(5), 0.8) is None
-    assert lognormal_tail_match(torch.ones(1), torch.ones(1), 0.8) is None
