@@ -38,7 +38,7 @@ HISTOGRAM_EDGES = (0.5, 1.5, 100)  # ratio range and bins of the logged histogra
 
 @dataclass
 class _Pool:
-    ratio_ref: list[torch.Tensor] = field(default_factory=list)  # (tokens,) per pooled mini-batch
+    ratio_ref: list[torch.Tensor] = field(default_factory=list)  # (tokens,) per pooled sequence
     ratio_fp8: list[torch.Tensor] = field(default_factory=list)
     adv: list[torch.Tensor] = field(default_factory=list)
 
@@ -66,18 +66,22 @@ class ShadowComparison:
         return torch.exp(ref_logp - self._old_ref[rows])
 
     def add(self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> None:
-        """Pool a mini-batch's masked tokens: BF16 and FP8 ratios (rows, response_len), advantages (rows,)."""
+        """Pool a mini-batch's masked tokens, sequence by sequence: BF16 and FP8 ratios (rows, response_len),
+        advantages (rows,). Whole sequences are the units the out-of-sample split alternates over."""
         selected = mask.bool()
-        self._pool.ratio_ref.append(ratio_ref[selected].float().cpu())
-        self._pool.ratio_fp8.append(ratio_fp8[selected].float().cpu())
-        self._pool.adv.append(algos.broadcast_to_tokens(adv, mask)[selected].float().cpu())
+        token_adv = algos.broadcast_to_tokens(adv, mask)
+        for row in range(selected.shape[0]):
+            keep = selected[row]
+            self._pool.ratio_ref.append(ratio_ref[row][keep].float().cpu())
+            self._pool.ratio_fp8.append(ratio_fp8[row][keep].float().cpu())
+            self._pool.adv.append(token_adv[row][keep].float().cpu())
 
     @property
     def has_tokens(self) -> bool:
         return bool(self._pool.adv) and sum(t.numel() for t in self._pool.adv) > 0
 
     def pooled(self, parts: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ratio_ref, ratio_fp8, adv) of the pooled tokens (of the chosen mini-batches), over all ranks."""
+        """(ratio_ref, ratio_fp8, adv) of the pooled tokens (of the chosen sequences), over all ranks."""
         dp = self.dp
 
         def cat(items: list[torch.Tensor]) -> torch.Tensor:
@@ -102,7 +106,8 @@ class ShadowComparison:
         return metrics
 
     def _out_of_sample(self, eps_low: float, eps_high: float, calibrate_high: bool) -> dict[str, float]:
-        """Calibrate on even pooled mini-batches and measure on odd ones, and the reverse; mean of the two."""
+        """Calibrate on the even pooled sequences and measure on the odd ones, and the reverse; mean of the two
+        (whole sequences, so one post-update mini-batch suffices)."""
         halves = [self.pooled(slice(0, None, 2)), self.pooled(slice(1, None, 2))]
         if any(half[2].numel() == 0 for half in halves):
             return {}
