@@ -7,7 +7,7 @@ into one pool; at the end of the step the pool is gathered over all data-paralle
 
 - Calibrated Clipping calibrates once on the whole pool (its new bounds apply from the next step);
 - the over-clip rates are measured OUT OF SAMPLE: the pool's sequences are split in two halves (even and
-  odd pooled mini-batches), bounds are calibrated on one half and the rates measured on the other (and the
+  odd pooled sequences), bounds are calibrated on one half and the rates measured on the other (and the
   other way round; the two are averaged), for Calibrated Clipping's bounds (``clip/cc_oos_*``) and for the
   standard bounds the vanilla FP8 run uses (``clip/shadow_*``);
 - the spread of the BF16 log-ratio (``clip/shadow_ref_log_ratio_std``: the size of the real update) and of
