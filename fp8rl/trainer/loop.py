@@ -28,7 +28,7 @@ from fp8rl.trainer.distributed import SINGLE, DataParallel
 from fp8rl.trainer.evaluation import Evaluator
 from fp8rl.trainer.optim import PolicyOptimizer
 from fp8rl.trainer.precision import PrecisionPlan, running_in
-from fp8rl.trainer.shadow import ShadowComparison, ratio_histogram
+from fp8rl.trainer.shadow import ShadowComparison, ratio_histogram, sequence_keys
 
 log = logging.getLogger(__name__)
 OVERCLIP_SALT = 4  # the synthetic over-clipping ablation's noise: seeded by (seed, step, update, rank)
@@ -193,7 +193,8 @@ class RLTrainer:
                     mb, mb_mask, old_logp[rows], data.adv[rows], ratio_ref, reference, noise
                 )
                 if ratio_ref is not None and good:
-                    shadow.add(ratio_ref, torch.exp(logp - old_logp[rows]), data.adv[rows], mb_mask)
+                    keys = sequence_keys(mb.response_ids, mb_mask)
+                    shadow.add(ratio_ref, torch.exp(logp - old_logp[rows]), data.adv[rows], mb_mask, keys)
                 collected.append(metrics)
                 updates_done += 1
                 if not good:

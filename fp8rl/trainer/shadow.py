@@ -6,8 +6,9 @@ log-probs of pi_old once for the whole batch, and of pi_theta for every mini-bat
 into one pool; at the end of the step the pool is gathered over all data-parallel ranks and
 
 - Calibrated Clipping calibrates once on the whole pool (its new bounds apply from the next step);
-- the over-clip rates are measured OUT OF SAMPLE: the pool's sequences are split in two halves (even and
-  odd pooled sequences), bounds are calibrated on one half and the rates measured on the other (and the
+- the over-clip rates are measured OUT OF SAMPLE: the pool's sequences are split in two halves (by the
+  parity of a key computed from each sequence's tokens, so every layout splits alike), bounds are calibrated
+  on one half and the rates measured on the other (and the
   other way round; the two are averaged), for Calibrated Clipping's bounds (``clip/cc_oos_*``) and for the
   standard bounds the vanilla FP8 run uses (``clip/shadow_*``);
 - the spread of the BF16 log-ratio (``clip/shadow_ref_log_ratio_std``: the size of the real update) and of
@@ -41,6 +42,7 @@ class _Pool:
     ratio_ref: list[torch.Tensor] = field(default_factory=list)  # (tokens,) per pooled sequence
     ratio_fp8: list[torch.Tensor] = field(default_factory=list)
     adv: list[torch.Tensor] = field(default_factory=list)
+    half: list[int] = field(default_factory=list)  # 0 / 1 per pooled sequence: the out-of-sample split
 
 
 class ShadowComparison:
@@ -65,9 +67,17 @@ class ShadowComparison:
         self.seconds += time.perf_counter() - started
         return torch.exp(ref_logp - self._old_ref[rows])
 
-    def add(self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> None:
+    def add(
+        self,
+        ratio_ref: torch.Tensor,
+        ratio_fp8: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+        keys: torch.Tensor,
+    ) -> None:
         """Pool a mini-batch's masked tokens, sequence by sequence: BF16 and FP8 ratios (rows, response_len),
-        advantages (rows,). Whole sequences are the units the out-of-sample split alternates over."""
+        advantages (rows,), and each sequence's key (rows,): a number fixed by the sequence itself, not by its
+        rank or position, whose parity puts it in one half of the out-of-sample split (`sequence_keys`)."""
         selected = mask.bool()
         token_adv = algos.broadcast_to_tokens(adv, mask)
         for row in range(selected.shape[0]):
@@ -75,17 +85,19 @@ class ShadowComparison:
             self._pool.ratio_ref.append(ratio_ref[row][keep].float().cpu())
             self._pool.ratio_fp8.append(ratio_fp8[row][keep].float().cpu())
             self._pool.adv.append(token_adv[row][keep].float().cpu())
+            self._pool.half.append(int(keys[row]) % 2)
 
     @property
     def has_tokens(self) -> bool:
         return bool(self._pool.adv) and sum(t.numel() for t in self._pool.adv) > 0
 
-    def pooled(self, parts: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ratio_ref, ratio_fp8, adv) of the pooled tokens (of the chosen sequences), over all ranks."""
+    def pooled(self, half: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ratio_ref, ratio_fp8, adv) of the pooled tokens (of one half of the sequences), over all ranks."""
         dp = self.dp
+        chosen = [i for i, h in enumerate(self._pool.half) if half is None or h == half]
 
         def cat(items: list[torch.Tensor]) -> torch.Tensor:
-            local = torch.cat(items[parts]) if items[parts] else torch.zeros(0)
+            local = torch.cat([items[i] for i in chosen]) if chosen else torch.zeros(0)
             return dp.gather_1d(local)
 
         return cat(self._pool.ratio_ref), cat(self._pool.ratio_fp8), cat(self._pool.adv)
@@ -106,9 +118,9 @@ class ShadowComparison:
         return metrics
 
     def _out_of_sample(self, eps_low: float, eps_high: float, calibrate_high: bool) -> dict[str, float]:
-        """Calibrate on the even pooled sequences and measure on the odd ones, and the reverse; mean of the two
-        (whole sequences, so one post-update mini-batch suffices)."""
-        halves = [self.pooled(slice(0, None, 2)), self.pooled(slice(1, None, 2))]
+        """Calibrate on one half of the pooled sequences and measure on the other, and the reverse; mean of the
+        two (whole sequences, so one post-update mini-batch suffices; the halves do not depend on the layout)."""
+        halves = [self.pooled(0), self.pooled(1)]
         if any(half[2].numel() == 0 for half in halves):
             return {}
         results: list[dict[str, float]] = []
@@ -214,3 +226,10 @@ def close_figure(figure: Any) -> None:
     import matplotlib.pyplot as plt
 
     plt.close(figure)
+
+
+def sequence_keys(response_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(rows,) a number per sequence fixed by its own tokens (position-weighted sum of its response ids):
+    the same sequence gets the same key on any rank, in any mini-batch."""
+    positions = torch.arange(1, response_ids.shape[-1] + 1, device=response_ids.device)
+    return ((response_ids.long() * mask.long()) * positions).sum(-1).cpu()

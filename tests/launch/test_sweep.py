@@ -145,6 +145,9 @@ class _FakeJob:
             raise self.outcome
         return self.outcome
 
+    def results(self) -> list[object]:  # submitit: one result per task (the sweep reads task 0's)
+        return [self.result()]
+
 
 def _slurm_runs(tmp_path: Path, outcomes: list[tuple[int | None, object]], monkeypatch) -> list:
     from fp8rl.launch import sweep

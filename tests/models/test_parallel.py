@@ -157,7 +157,10 @@ def test_an_unset_parallel_section_leaves_the_config_hash_unchanged() -> None:
     before = config_hash(cfg)
     assert config_hash(with_overrides(cfg, {"parallel.tensor_parallel": 2})) != before
     assert config_hash(with_overrides(cfg, {"parallel.tensor_parallel": None})) == before
-    legacy = with_overrides(cfg, {"clipping.ema": 0.0})  # the default before clipping.ema's was unified
+    # the defaults before clipping.ema was unified and before the presets took verl's loss
+    legacy = with_overrides(
+        cfg, {"clipping.ema": 0.0, "algo.loss_agg": "seq-mean-token-mean", "algo.policy_loss": "ppo_clip"}
+    )
     assert config_hash(legacy) == "397e31ecdddab46d"  # the default config's hash before the section existed
 
 

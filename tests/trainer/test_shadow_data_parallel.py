@@ -34,7 +34,8 @@ def calibrated(dp: DataParallel) -> tuple[tuple[float, float], dict[str, float]]
     shadow = ShadowComparison(lambda batch, recipe: None, RunConfig().algo, dp)  # the pool only: no log-probs
     share = slice(dp.rank * ROWS // dp.size, (dp.rank + 1) * ROWS // dp.size)
     for ratio_ref, ratio_fp8, adv, mask in noisy_minibatches():
-        shadow.add(ratio_ref[share], ratio_fp8[share], adv[share], mask[share])
+        keys = torch.arange(ROWS)[share] * 7919  # a sequence's key travels with it, whichever rank holds it
+        shadow.add(ratio_ref[share], ratio_fp8[share], adv[share], mask[share], keys)
     metrics = shadow.finish(0, policy, calibrate=True)
     return tuple(policy.bounds), metrics
 

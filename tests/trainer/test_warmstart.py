@@ -81,8 +81,12 @@ def test_trains_once_then_loads_from_the_cache(task, model_cfg, tmp_path, monkey
     assert first.weights_path.exists() and 0.0 <= first.metadata["eval/accuracy"] <= 1.0
     assert first.metadata["train_seconds"] >= 0 and first.metadata["model"]["vocab_size"] == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [first.weights_path.name, first.weights_path.with_suffix(".json").name]
-    )  # no temporary files left behind
+        [
+            first.weights_path.name,
+            first.weights_path.with_suffix(".json").name,
+            first.weights_path.with_suffix(".lock").name,
+        ]
+    )  # no temporary files left behind (the lock that made concurrent runs wait stays, empty)
 
     def must_not_train(*args, **kwargs):
         raise AssertionError("the cached warm start was retrained")
