@@ -19,7 +19,8 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 
 class ConfigError(ValueError):
@@ -617,7 +618,8 @@ def _parse_param(text: str, hint: Any) -> Any:
 
     if text == "None":
         return None
-    kinds = [a for a in get_args(hint) if a is not type(None)] or [hint]
+    is_union = get_origin(hint) in (Union, UnionType)  # Optional[X] / X | None: X; tuple[str, ...]: itself
+    kinds = [a for a in get_args(hint) if a is not type(None)] if is_union else [hint]
     kind = get_origin(kinds[0]) or kinds[0]
     if kind is bool:
         return text == "True"

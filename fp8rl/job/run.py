@@ -300,7 +300,7 @@ def shown_command() -> str:
     (no interpreter or script paths of this machine)."""
     main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     program = f"python -m {main_spec.name.removesuffix('.__main__')}" if main_spec else Path(sys.argv[0]).name
-    return redact(" ".join([program, *sys.argv[1:]]))
+    return redact(" ".join([program, *sys.argv[1:]])).replace(f"{Path.cwd()}/", "")  # paths relative to cwd
 
 
 def run_artifacts(cfg: RunConfig, out_dir: str, hydra_dir: str | Path | None) -> list[tuple[str, str | None]]:

@@ -187,6 +187,8 @@ def _without_local_paths(value: Any) -> Any:
             except ValueError:
                 return f"<local>/{path.name}"
         return runs.display_uri(value)
+    if isinstance(value, str):  # a path inside a text (a run's description): relative to the working directory
+        return value.replace(f"{Path.cwd()}/", "")
     return value
 
 

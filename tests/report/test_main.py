@@ -16,3 +16,12 @@ def test_tables_figures_and_index_hold_no_local_path(store: str, tmp_path: Path)
     assert {"PROVENANCE.json", "INDEX.md", "grpo_granularity-tiny.md"} <= {p.name for p in written}
     leaks = [p.name for p in written if str(tmp_path) in p.read_text() or "/tmp/" in p.read_text()]
     assert leaks == []
+
+
+def test_a_path_inside_a_runs_description_is_made_relative() -> None:
+    from fp8rl.report.tables import _without_local_paths
+
+    text = f"Command: `python -m submitit.core._submit {Path.cwd()}/outputs/sweeps/x/%j`"
+    assert _without_local_paths({"tags": {"mlflow.note.content": text}}) == {
+        "tags": {"mlflow.note.content": "Command: `python -m submitit.core._submit outputs/sweeps/x/%j`"}
+    }
