@@ -114,6 +114,7 @@ class ArithmeticTask(CharTask):
     """
 
     name = "arithmetic"
+    answer_pattern = ANSWER_PATTERN
 
     def __init__(self, cfg: TaskConfig, *, fixed_width: bool = True, response_slack: int = 2) -> None:
         check_arithmetic_config(cfg, fixed_width)
@@ -133,17 +134,6 @@ class ArithmeticTask(CharTask):
         if not has_eos or any(token not in self._answer_ids for token in body):
             return 0.0
         return 1.0 if self.tokenizer.decode(body) == problem.answer else 0.0
-
-    def garble_reason(self, response_ids: Sequence[int]) -> str | None:
-        """ "invalid_token", "no_eos", "unparseable" (checked in this order), or None if well formed."""
-        body, has_eos = self.split_at_eos(response_ids)
-        if any(token not in self._answer_ids for token in body):
-            return "invalid_token"
-        if not has_eos:
-            return "no_eos"
-        if not ANSWER_PATTERN.fullmatch(self.tokenizer.decode(body)):
-            return "unparseable"
-        return None
 
 
 @register_task("arithmetic", check=check_arithmetic_config)

@@ -77,6 +77,7 @@ class ChainTask(CharTask):
     garble detector (module docstring)."""
 
     name = "chain"
+    answer_pattern = CHAIN_PATTERN
 
     def __init__(self, cfg: TaskConfig) -> None:
         check_chain_config(cfg)
@@ -100,17 +101,6 @@ class ChainTask(CharTask):
         if not CHAIN_PATTERN.fullmatch(text):
             return 0.0
         return 1.0 if int(text.rsplit(",", 1)[-1]) == int(problem.answer.rsplit(",", 1)[-1]) else 0.0
-
-    def garble_reason(self, response_ids: Sequence[int]) -> str | None:
-        """ "invalid_token", "no_eos", "unparseable" (checked in this order), or None if well formed."""
-        body, has_eos = self.split_at_eos(response_ids)
-        if any(token not in self._answer_ids for token in body):
-            return "invalid_token"
-        if not has_eos:
-            return "no_eos"
-        if not CHAIN_PATTERN.fullmatch(self.tokenizer.decode(body)):
-            return "unparseable"
-        return None
 
     def response_metrics(self, responses: Sequence[Sequence[int]]) -> dict[str, float]:
         """Junk rates of a batch of responses (token ids, <eos> included where sampled)."""

@@ -10,6 +10,7 @@ text prompts get it too); ``encode(text, add_bos=False)`` does not. The saved di
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -96,11 +97,13 @@ def build_char_tokenizer(alphabet: str) -> CharTokenizer:
 
 class CharTask:
     """What the character-level tasks (arithmetic, chain) share: prompt and target ids, the response body
-    before <eos> and the batch reward. A subclass sets ``tokenizer`` and ``max_response_tokens`` and defines
-    ``reward(problem, response_ids)``."""
+    before <eos>, the batch reward and the garble reason. A subclass sets ``tokenizer``, ``max_response_tokens``,
+    ``answer_pattern`` and ``_answer_ids`` and defines ``reward(problem, response_ids)``."""
 
     tokenizer: CharTokenizer
     max_response_tokens: int
+    answer_pattern: re.Pattern[str]  # a well-formed response body
+    _answer_ids: frozenset[int]  # the token ids an answer may use
 
     def prompt_ids(self, problem) -> list[int]:
         """<bos> then the prompt characters."""
@@ -120,3 +123,14 @@ class CharTask:
         if self.tokenizer.eos_id in window:
             return window[: window.index(self.tokenizer.eos_id)], True
         return window, False
+
+    def garble_reason(self, response_ids: Sequence[int]) -> str | None:
+        """ "invalid_token", "no_eos", "unparseable" (checked in this order), or None if well formed."""
+        body, has_eos = self.split_at_eos(response_ids)
+        if any(token not in self._answer_ids for token in body):
+            return "invalid_token"
+        if not has_eos:
+            return "no_eos"
+        if not self.answer_pattern.fullmatch(self.tokenizer.decode(body)):
+            return "unparseable"
+        return None
