@@ -179,6 +179,11 @@ class ClippingConfig:
     init_high: float | None = option(None, "calibrated: upper bound before the first calibration (None = 1 + eps_high)")
     ema: float = option(0.5, "calibrated: smoothing, bound = ema * old + (1 - ema) * calibrated")
     lower_only: bool = option(False, "calibrated: ablation that calibrates only the lower bound")
+    pool_neg_tokens: int = option(
+        0,
+        "calibrated: a calibration also pools the newest earlier shadow steps until it holds this many "
+        "negative-advantage tokens (0 = its own step only, the paper's rule at its batch sizes)",
+    )
     rollout_correction: str = option("none", "none, or a correction (registry: tis_token, tis_seq, mis_*, icepop)")
     tis_cap: float = option(2.0, "TIS truncation C")
     mis_low: float = option(0.5, "MIS / IcePop: keep tokens whose rollout ratio is >= mis_low")
@@ -193,6 +198,7 @@ class ClippingConfig:
         _require(self.interval >= 1, f"clipping.interval={self.interval} must be >= 1")
         _require(self.synthetic_overclip_std >= 0, "clipping.synthetic_overclip_std must be >= 0")
         _require(0 <= self.ema < 1, f"clipping.ema={self.ema} must be in [0, 1)")
+        _require(self.pool_neg_tokens >= 0, f"clipping.pool_neg_tokens={self.pool_neg_tokens} must be >= 0")
         _require(self.tis_cap > 0, f"clipping.tis_cap={self.tis_cap} must be > 0")
         _require(0 < self.mis_low < 1 < self.mis_high, "need 0 < clipping.mis_low < 1 < clipping.mis_high")
 
@@ -530,6 +536,7 @@ HASH_EXCLUDED = (
 HASH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "parallel.": (None,),
     "algo.resample_rounds": (None, 0),
+    "clipping.pool_neg_tokens": (0,),
     "precision.amax_history_len": (16,),
     "precision.amax_compute_algo": ("max",),
     "precision.margin": (0,),

@@ -292,6 +292,12 @@ class ClipBoundPolicy(Protocol):
 
     def needs_calibration(self, step: int) -> bool: ...
 
+    def wants_shadow(self, step: int) -> bool: ...
+
+    def observe(
+        self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+    ) -> None: ...
+
     def update(
         self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, step: int
     ) -> ClipBounds: ...
@@ -332,6 +338,12 @@ class StandardClipBounds:
     def needs_calibration(self, step: int) -> bool:
         return False
 
+    def wants_shadow(self, step: int) -> bool:
+        return False
+
+    def observe(self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> None:
+        pass
+
     def update(
         self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, step: int
     ) -> ClipBounds:
@@ -352,8 +364,16 @@ class StandardClipBounds:
 class CalibratedClipBounds:
     """Calibrated Clipping held between recalibrations every ``interval`` steps and smoothed by an EMA.
 
-    Usage per step: ``if policy.needs_calibration(step): policy.update(ratio_ref, ratio_fp8, adv, mask,
-    step)``, then ``clip_low, clip_high = policy.bounds``.
+    Usage per shadow step: ``policy.update(ratio_ref, ratio_fp8, adv, mask, step)`` when
+    ``policy.needs_calibration(step)``, else ``policy.observe(ratio_ref, ratio_fp8, adv, mask)``; then
+    ``clip_low, clip_high = policy.bounds``. ``policy.wants_shadow(step)`` says on which steps it needs the tokens.
+
+    The calibration pool (project choice, ``pool_neg_tokens``): a calibration uses its own step's tokens and,
+    when they hold fewer than ``pool_neg_tokens`` negative-advantage tokens, those of the newest earlier shadow
+    steps until the pool holds that many. BF16 clips a few tenths of a percent of the negative tokens, so a
+    pool of a few dozen tokens (one small step) sees none clipped and the quantile rule cannot act
+    (CalibStatus.ALPHA_ZERO); at the paper's batch sizes one step holds thousands and the pool is that step.
+    While a step alone does not fill the pool, ``wants_shadow`` asks for the shadow on every step.
     """
 
     eps_low: float = 0.2
@@ -364,24 +384,31 @@ class CalibratedClipBounds:
     ema: float = 0.5  # weight of the previous bound; 0 = jump to the calibrated value
     lower_bound_only: bool = False  # ablation: calibrate low, keep high = initial high
     min_high: float = 1.0
+    pool_neg_tokens: int = 0  # 0 = the calibration step's tokens only
     _low: float = field(init=False, repr=False)
     _high: float = field(init=False, repr=False)
     _next_step: int = field(init=False, repr=False)
     _last: dict[str, float] = field(init=False, repr=False)
+    _window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
+    _step_neg: int = field(init=False, repr=False)  # negative tokens the newest observed step held
 
     def __post_init__(self) -> None:
         if self.interval < 1:
             raise ValueError(f"interval must be >= 1, got {self.interval}")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
+        if self.pool_neg_tokens < 0:
+            raise ValueError(f"pool_neg_tokens must be >= 0, got {self.pool_neg_tokens}")
         initial = self.initial_bounds or standard_bounds(self.eps_low, self.eps_high)
         low, high = initial
         if not 0.0 <= low <= high:
             raise ValueError(f"initial_bounds must satisfy 0 <= low <= high, got {self.initial_bounds}")
         self._low, self._high = float(low), float(high)
         self._next_step = self.interval if self.first_step is None else self.first_step
-        self._last = dict.fromkeys(("status", "alpha_low", "ref_p", "p", "fp8_low_neg_standard", "count"), 0.0)
+        keys = ("status", "alpha_low", "ref_p", "p", "fp8_low_neg_standard", "count", "pool_neg", "pool_steps")
+        self._last = dict.fromkeys(keys, 0.0)
         self._last.update(raw_low=self._low, raw_high=self._high)
+        self._window, self._step_neg = [], 0
 
     @property
     def bounds(self) -> ClipBounds:
@@ -391,19 +418,39 @@ class CalibratedClipBounds:
         """True when ``step`` is at or past the next scheduled calibration."""
         return step >= self._next_step
 
+    def wants_shadow(self, step: int) -> bool:
+        """Calibration steps, and every step while one step's tokens do not fill the pool (class docstring)."""
+        return self.needs_calibration(step) or self._step_neg < self.pool_neg_tokens
+
+    def observe(self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> None:
+        """Add a shadow step's masked tokens to the pool; drop the oldest steps the pool no longer needs."""
+        selected = as_bool_mask(mask)
+        token_adv = expand_adv(adv, ratio_fp8).detach()
+        step_tokens = tuple(at_least_float32(t.detach()[selected]).cpu() for t in (ratio_ref, ratio_fp8, token_adv))
+        self._step_neg = int((step_tokens[2] < 0).sum())
+        self._window.append(step_tokens)
+        while len(self._window) > 1 and _negatives(self._window[1:]) >= self.pool_neg_tokens:
+            self._window.pop(0)
+
     def update(
         self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, step: int
     ) -> ClipBounds:
-        """Calibrate on this batch, smooth into the held bounds, schedule the next calibration."""
+        """Pool this step's tokens, calibrate on the pool, smooth into the held bounds, schedule the next one."""
+        self.observe(ratio_ref, ratio_fp8, adv, mask)
+        pooled_ref, pooled_fp8, pooled_adv = (torch.cat(parts) for parts in zip(*self._window, strict=True))
+        everything = torch.ones(1, pooled_adv.numel(), dtype=torch.bool)
         options = {"calibrate_high": not self.lower_bound_only, "min_high": self.min_high}
-        result = calibrate(ratio_ref, ratio_fp8, adv, mask, self.eps_low, self.eps_high, **options)
+        result = calibrate(
+            pooled_ref[None], pooled_fp8[None], pooled_adv[None], everything, self.eps_low, self.eps_high, **options
+        )
         low = self.ema * self._low + (1.0 - self.ema) * result.bounds.low  # project choice: EMA smoothing
         high = self._high
         if not self.lower_bound_only:
             high = self.ema * self._high + (1.0 - self.ema) * result.bounds.high
         self._low, self._high = low, max(high, low)
         self._next_step = step + self.interval
-        self._last = {**result.summary(), "count": self._last["count"] + 1.0}
+        pool = {"pool_neg": float(result.n_neg), "pool_steps": float(len(self._window))}
+        self._last = {**result.summary(), "count": self._last["count"] + 1.0, **pool}
         return self.bounds
 
     def metrics(self) -> Metrics:
@@ -413,7 +460,14 @@ class CalibratedClipBounds:
         return _as_metrics(metrics)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"low": self._low, "high": self._high, "next_step": self._next_step, "last": dict(self._last)}
+        return {
+            "low": self._low,
+            "high": self._high,
+            "next_step": self._next_step,
+            "last": dict(self._last),
+            "window": [[t.tolist() for t in step] for step in self._window],  # plain lists (float32 values exact)
+            "step_neg": self._step_neg,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         missing = {"low", "high", "next_step", "last"} - set(state)
@@ -421,4 +475,14 @@ class CalibratedClipBounds:
             raise KeyError(f"clip-bound state is missing {sorted(missing)}")
         self._low, self._high = float(state["low"]), float(state["high"])
         self._next_step = int(state["next_step"])
-        self._last = {key: float(value) for key, value in state["last"].items()}
+        self._last.update({key: float(value) for key, value in state["last"].items()})
+        # checkpoints written before the pool existed hold none: an empty pool, as at the start
+        self._window = [
+            tuple(torch.tensor(values, dtype=torch.float32) for values in step) for step in state.get("window", [])
+        ]
+        self._step_neg = int(state.get("step_neg", 0))
+
+
+def _negatives(window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
+    """Negative-advantage tokens in a list of pooled steps (ratio_ref, ratio_fp8, adv)."""
+    return sum(int((adv < 0).sum()) for _, _, adv in window)

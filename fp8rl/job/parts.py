@@ -225,6 +225,7 @@ def build_clip_policy(algo: AlgoConfig, clipping: ClippingConfig) -> algos.ClipB
         initial_bounds=initial,
         ema=clipping.ema,
         lower_bound_only=clipping.lower_only,
+        pool_neg_tokens=clipping.pool_neg_tokens,
     )
 
 

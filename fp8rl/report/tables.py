@@ -56,7 +56,8 @@ TABLE_COLUMNS = (
     Column("calib ok", "clip/calib_ok", "sum", "{:.1f}"),
     Column("calib alpha=0", "clip/calib_alpha_zero", "sum", "{:.1f}"),
     Column("calib p unreachable", "clip/calib_p_unreachable", "sum", "{:.1f}"),
-    Column("pool A<0 tokens", "clip/shadow_neg_tokens", "mean", "{:.0f}"),
+    Column("step A<0 tokens", "clip/shadow_neg_tokens", "mean", "{:.0f}"),
+    Column("calib pool A<0 tokens", "clip/calib_pool_neg", "last", "{:.0f}"),
     Column("reward (mean)", "rollout/reward", "mean"),
     Column("token_mult_prob_error", "rollout/token_mult_prob_error", "mean", "{:.4f}"),
 )

@@ -102,12 +102,15 @@ CLIP = {
     "(FP8's noise floor)",
     "clip/shadow_ref_low_neg": "shadow step: share of pooled negative tokens BF16 clips at the standard low bound",
     "clip/shadow_fp8_low_neg": "shadow step: share of pooled negative tokens FP8 clips at the standard low bound",
-    "clip/cc_oos_overclip_neg": "shadow step, out of sample: over-clipping of negative tokens with bounds "
-    "calibrated on the other half of the pool",
+    "clip/cc_oos_overclip_neg": "shadow step, out of sample: over-clipping of negative tokens with Calibrated "
+    "Clipping's bounds: in a CC run the bounds in force (calibrated on earlier steps), in another FP8 run bounds "
+    "calibrated on the other half of this step's pool",
     "clip/cc_oos_underclip_neg": "shadow step, out of sample: under-clipping of negative tokens with calibrated bounds",
     "clip/cc_oos_low_neg": "shadow step, out of sample: share of negative tokens FP8 clips at calibrated bounds",
     "clip/cc_oos_ref_low_neg": "shadow step, out of sample: share of negative tokens BF16 clips (the target)",
     "clip/calib_count": "calibrations done so far",
+    "clip/calib_pool_neg": "last calibration: negative-advantage tokens in its pool (clipping.pool_neg_tokens)",
+    "clip/calib_pool_steps": "last calibration: shadow steps its pool spans",
     "clip/calib_raw_low": "last calibration's low bound before smoothing (clipping.ema)",
     "clip/calib_raw_high": "last calibration's high bound before smoothing (clipping.ema)",
     "clip/calib_status": "last calibration's status as a bit flag (0 = ok); clip/calib_<flag> name the bits",

@@ -92,11 +92,11 @@ class RLTrainer:
             )
 
     def wants_shadow(self, step: int) -> bool:
-        """BF16 shadow passes: on calibration steps, and on diagnostic steps (every trainer.shadow_every) of
-        fp8_full runs."""
+        """BF16 shadow passes of fp8_full runs: on the steps the clip policy needs (calibration steps, and the
+        steps that fill its calibration pool), and on diagnostic steps (every trainer.shadow_every)."""
         if self.plan.train_recipe is None:
             return False
-        if self.clip_policy.needs_calibration(step):
+        if self.clip_policy.wants_shadow(step):
             return True
         every = self.cfg.trainer.shadow_every
         return every > 0 and step % every == 0

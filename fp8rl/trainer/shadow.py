@@ -5,12 +5,14 @@ log-probs of pi_old once for the whole batch, and of pi_theta for every mini-bat
 (before it, pi_theta = pi_old). Each such mini-batch's masked tokens (BF16 ratio, FP8 ratio, advantage) go
 into one pool; at the end of the step the pool is gathered over all data-parallel ranks and
 
-- Calibrated Clipping calibrates once on the whole pool (its new bounds apply from the next step);
-- the over-clip rates are measured OUT OF SAMPLE: the pool's sequences are split in two halves (by the
+- Calibrated Clipping calibrates once on the whole pool (with the newest earlier shadow steps when the step
+  alone holds fewer than ``clipping.pool_neg_tokens`` negative tokens); its new bounds apply from the next step;
+- the over-clip rates are measured OUT OF SAMPLE. A Calibrated Clipping run measures the bounds in force this
+  step (calibrated on earlier steps only) on this step's tokens (``clip/cc_oos_*``). Any other FP8 run asks
+  what Calibrated Clipping would do from this step alone: the pool's sequences are split in two halves (by the
   parity of a key computed from each sequence's tokens, so every layout splits alike), bounds are calibrated
-  on one half and the rates measured on the other (and the
-  other way round; the two are averaged), for Calibrated Clipping's bounds (``clip/cc_oos_*``) and for the
-  standard bounds the vanilla FP8 run uses (``clip/shadow_*``);
+  on one half and the rates measured on the other (and the other way round; the two are averaged). The
+  standard bounds the vanilla FP8 run uses are measured on the whole pool (``clip/shadow_*``);
 - the spread of the BF16 log-ratio (``clip/shadow_ref_log_ratio_std``: the size of the real update) and of
   the FP8 log-ratio's deviation from it (``clip/shadow_fp8_noise_std``: FP8's noise floor) are logged, the
   collapse study's noise-to-signal criterion for its learning rate.
@@ -110,12 +112,42 @@ class ShadowComparison:
         if adv.numel() == 0:
             return metrics
         metrics.update(_standard_shadow_metrics(ratio_ref, ratio_fp8, adv, a.eps_low, a.eps_high))
-        metrics.update(self._out_of_sample(a.eps_low, a.eps_high, calibrate_high=not _lower_only(clip_policy)))
-        if calibrate and clip_policy.needs_calibration(step):
+        if calibrate:
+            metrics.update(self._held_out(ratio_ref, ratio_fp8, adv, clip_policy.bounds, a.eps_low, a.eps_high))
             ones = torch.ones(1, adv.numel(), dtype=torch.bool)
-            clip_policy.update(ratio_ref[None], ratio_fp8[None], adv[None], ones, step)
-            metrics.update(status_counts(clip_policy))
+            if clip_policy.needs_calibration(step):
+                clip_policy.update(ratio_ref[None], ratio_fp8[None], adv[None], ones, step)
+                metrics.update(status_counts(clip_policy))
+            else:
+                clip_policy.observe(ratio_ref[None], ratio_fp8[None], adv[None], ones)
+        else:
+            metrics.update(self._out_of_sample(a.eps_low, a.eps_high, calibrate_high=not _lower_only(clip_policy)))
         return metrics
+
+    @staticmethod
+    def _held_out(
+        ratio_ref: torch.Tensor,
+        ratio_fp8: torch.Tensor,
+        adv: torch.Tensor,
+        bounds: Any,
+        eps_low: float,
+        eps_high: float,
+    ) -> dict[str, float]:
+        """Calibrated Clipping's own bounds in force this step (calibrated on earlier steps only, so out of
+        sample) measured on this step's pooled tokens."""
+        low, high = bounds
+        std_low, std_high = algos.standard_bounds(eps_low, eps_high)
+        mask = torch.ones(1, adv.numel(), dtype=torch.bool)
+        measured = algos.overclip_metrics(
+            ratio_ref[None], ratio_fp8[None], adv[None], mask, low, high, std_low, std_high
+        )
+        clipped = algos.clip_fraction_metrics(ratio_fp8[None], adv[None], mask, low, high)
+        return {
+            "clip/cc_oos_overclip_neg": float(measured["clip/overclip_neg"]),
+            "clip/cc_oos_underclip_neg": float(measured["clip/underclip_neg"]),
+            "clip/cc_oos_low_neg": float(clipped["clip/low_neg"]),
+            "clip/cc_oos_ref_low_neg": float(measured["clip/ref_low_neg"]),
+        }
 
     def _out_of_sample(self, eps_low: float, eps_high: float, calibrate_high: bool) -> dict[str, float]:
         """Calibrate on one half of the pooled sequences and measure on the other, and the reverse; mean of the

@@ -317,3 +317,74 @@ def test_calibrated_policy_validation():
         CalibratedClipBounds(interval=0)
     with pytest.raises(ValueError, match="initial_bounds"):
         CalibratedClipBounds(initial_bounds=(1.5, 1.2))
+
+
+# --- the calibration pool (pool_neg_tokens) ----------------------------------------------------------------
+
+
+def _step_tokens(seed: int, rows: int = 4, length: int = 6):
+    """(ratio_ref, ratio_fp8, adv, mask) of one small shadow step: half the rows negative."""
+    generator = torch.Generator().manual_seed(seed)
+    ratio_ref = torch.exp(0.1 * torch.randn(rows, length, generator=generator))
+    ratio_fp8 = ratio_ref * torch.exp(0.05 * torch.randn(rows, length, generator=generator))
+    adv = torch.tensor([-1.0, 1.0] * (rows // 2))
+    return ratio_ref, ratio_fp8, adv, torch.ones(rows, length)
+
+
+def _concatenated(steps):
+    return tuple(torch.cat([step[i] for step in steps]) for i in range(4))
+
+
+def test_pool_of_zero_calibrates_on_its_own_step():
+    old, new = _step_tokens(0), _step_tokens(1)
+    policy = CalibratedClipBounds(eps_low=EPS_LOW, eps_high=EPS_HIGH, ema=0.0)
+    policy.observe(*old)
+    assert not policy.wants_shadow(3)  # one step always fills a pool of 0: shadows on calibration steps only
+    assert policy.update(*new, step=20) == calibrate_clip_bounds(*new, EPS_LOW, EPS_HIGH)
+    assert metrics_to_floats(policy.metrics())["clip/calib_pool_steps"] == 1.0
+
+
+def test_pool_holds_the_newest_steps_that_reach_the_token_count():
+    steps = [_step_tokens(seed) for seed in range(5)]  # 12 negative tokens each
+    policy = CalibratedClipBounds(eps_low=EPS_LOW, eps_high=EPS_HIGH, ema=0.0, pool_neg_tokens=30)
+    assert policy.wants_shadow(0)  # an empty pool: the shadow runs on every step
+    for step in steps[:4]:
+        policy.observe(*step)
+    assert policy.wants_shadow(1)  # one step (12) does not fill 30
+    bounds = policy.update(*steps[4], step=20)
+    assert bounds == calibrate_clip_bounds(*_concatenated(steps[2:]), EPS_LOW, EPS_HIGH)  # 3 x 12 >= 30 > 2 x 12
+    metrics = metrics_to_floats(policy.metrics())
+    assert (metrics["clip/calib_pool_neg"], metrics["clip/calib_pool_steps"]) == (36.0, 3.0)
+
+
+def test_pool_resolves_a_clipped_share_one_step_cannot():
+    # BF16 clips 1 negative token in 100; steps of 20 negative tokens mostly see none (ALPHA_ZERO)
+    generator = torch.Generator().manual_seed(7)
+    steps = []
+    for _ in range(30):
+        ratio_ref = torch.where(torch.rand(20, 1, generator=generator) < 0.01, 0.7, 0.95)
+        ratio_fp8 = ratio_ref * torch.exp(0.08 * torch.randn(20, 1, generator=generator))
+        steps.append((ratio_ref, ratio_fp8, -torch.ones(20), torch.ones(20, 1)))
+    single = CalibratedClipBounds(eps_low=EPS_LOW, eps_high=EPS_HIGH, ema=0.0, interval=1)
+    pooled = CalibratedClipBounds(eps_low=EPS_LOW, eps_high=EPS_HIGH, ema=0.0, interval=1, pool_neg_tokens=400)
+    statuses = {"single": [], "pooled": []}
+    for step, tokens in enumerate(steps, start=1):
+        for name, policy in (("single", single), ("pooled", pooled)):
+            policy.update(*tokens, step=step)
+            statuses[name].append(int(metrics_to_floats(policy.metrics())["clip/calib_status"]))
+    alpha_zero = int(CalibStatus.ALPHA_ZERO)
+    assert sum(s & alpha_zero != 0 for s in statuses["single"]) > 20
+    assert all(s & alpha_zero == 0 for s in statuses["pooled"][-10:])
+
+
+def test_pool_survives_a_checkpoint():
+    policy = CalibratedClipBounds(eps_low=EPS_LOW, eps_high=EPS_HIGH, ema=0.0, pool_neg_tokens=30)
+    for seed in range(3):
+        policy.observe(*_step_tokens(seed))
+    restored = CalibratedClipBounds(eps_low=EPS_LOW, eps_high=EPS_HIGH, ema=0.0, pool_neg_tokens=30)
+    restored.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    last = _step_tokens(9)
+    assert restored.update(*last, step=20) == policy.update(*last, step=20)
+    assert restored.wants_shadow(21) == policy.wants_shadow(21)
+    with pytest.raises(ValueError, match="pool_neg_tokens"):
+        CalibratedClipBounds(pool_neg_tokens=-1)
