@@ -13,17 +13,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from fp8rl.choices import validated
-from fp8rl.config import (
-    ConfigError,
-    RunConfig,
-    config_hash,
-    flatten,
-    from_dict,
-    from_params,
-    run_dir,
-    to_dict,
-    with_overrides,
-)
+from fp8rl.config import ConfigError, RunConfig, flatten, from_dict, to_dict, with_overrides
+from fp8rl.identity import config_hash, from_params, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = ROOT / "sweeps"

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from fp8rl import malloc
-from fp8rl.config import RunConfig, config_hash, with_overrides
+from fp8rl.config import RunConfig, with_overrides
+from fp8rl.identity import config_hash
 
 
 def test_glibc_accepts_both_settings_and_provenance_says_so():

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from fp8rl.config import ConfigError, RunConfig, config_hash, default_run_name, flatten, run_dir, to_dict
+from fp8rl.config import ConfigError, RunConfig, flatten, to_dict
+from fp8rl.identity import config_hash, default_run_name, run_dir
 from fp8rl.job import signals
 from fp8rl.job.distributed import DistEnv, dist_env_from_environ, init_distributed, shutdown_distributed
 from fp8rl.job.parts import build_parts

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl.choices import validated
-from fp8rl.config import ConfigError, RunConfig, config_hash, to_dict, with_overrides
+from fp8rl.config import ConfigError, RunConfig, to_dict, with_overrides
+from fp8rl.identity import config_hash
 from fp8rl.launch.experiment import SweepDefinition, SweepPoint, axis_tag, expand_experiment, expand_points
 from fp8rl.launch.launchers import Launcher, check_fits, make_executor, resolve_launcher
 from fp8rl.tracking import store

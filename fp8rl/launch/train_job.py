@@ -30,7 +30,8 @@ class TrainJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict[str, Any]:
         from fp8rl.choices import validated
-        from fp8rl.config import config_hash, from_dict
+        from fp8rl.config import from_dict
+        from fp8rl.identity import config_hash
         from fp8rl.job import run_job
 
         cfg = validated(from_dict(self.cfg))

@@ -378,7 +378,7 @@ def run_study(mcfg: MechanismConfig, log=print) -> list[str]:
             elapsed = time.monotonic() - started
             eta = elapsed / finished * (len(todo) - finished)
             log(f"[{finished}/{len(todo)}] {cell.name} done; elapsed {elapsed:.0f}s, ETA {eta:.0f}s")
-    trainer.close()
+    getattr(trainer.engine, "close", lambda: None)()  # the rollout engine's resources (vLLM), as the job does
     return [done[p[3].name] for p in plan]
 
 

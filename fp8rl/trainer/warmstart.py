@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp8rl.config import TaskConfig, WarmStartConfig, without_neutral
+from fp8rl.config import TaskConfig, WarmStartConfig
+from fp8rl.identity import without_neutral
 from fp8rl.models.config import ModelConfig, with_tokenizer_vocab
 from fp8rl.models.generate import generate
 from fp8rl.models.gpt import build_gpt_model, compute_precision
@@ -41,7 +42,7 @@ from fp8rl.models.sampling import SamplingConfig
 from fp8rl.tasks.base import Problem, Task, garble_metrics
 
 CACHE_FORMAT_VERSION = 2  # bump when the training recipe or the file layout changes meaning
-# Fields added after format 2 was cached: left out of the key at their neutral value (config.HASH_NEUTRAL), so
+# Fields added after format 2 was cached: left out of the key at their neutral value (identity.HASH_NEUTRAL), so
 # warm starts cached before they existed keep their key.
 ADDED_TASK_FIELDS = ("min_operands", "max_operands", "junk_tokens")
 ADDED_WARMSTART_FIELDS = ("stop_accuracy", "check_every")

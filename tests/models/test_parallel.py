@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from fp8rl.config import ConfigError, RunConfig, config_hash, with_overrides
+from fp8rl.config import ConfigError, RunConfig, with_overrides
+from fp8rl.identity import config_hash
 from fp8rl.launch.launchers import check_fits, resolve_launcher
 from fp8rl.models.config import get_model_config, parameter_count
 from fp8rl.models.parallel import (
