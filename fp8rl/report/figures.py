@@ -175,7 +175,7 @@ def attach_to_parent(experiment: str, paths: Sequence[Path], tracking_uri: str |
 
 def training_curves(experiment: str, out_dir: Path, tracking_uri: str | None = None) -> list[Path]:
     keys = [key for panel in CURVE_PANELS for key in panel.keys]
-    run_data, group_by, _ = load_runs(experiment, keys, tracking_uri=tracking_uri)
+    run_data, group_by, _ = load_runs(experiment, keys, tracking_uri=tracking_uri, newest_only=True)  # as the tables
     if not run_data:
         return []
     written = _save(curve_figure(experiment, run_data, group_by), out_dir, f"{experiment}_curves")

@@ -86,8 +86,10 @@ def load_runs(
     group_by: Sequence[str] | None = None,
     tracking_uri: str | None = None,
     finished_only: bool = True,
+    newest_only: bool = False,
 ) -> tuple[list[RunData], list[str], str]:
-    """The training runs of `experiment` (oldest first) with the histories of `keys`: (runs, group_by, uri)."""
+    """The training runs of `experiment` (oldest first) with the histories of `keys`: (runs, group_by, uri).
+    ``newest_only``: a re-run replaces an older run of the same group and seed (`newest_per_seed`)."""
     uri = store.absolute_tracking_uri(tracking_uri)
     if not store.store_exists(uri):
         raise SystemExit(f"no MLflow store at {store.display_uri(uri)}: run the sweep first (e.g. make table-grpo)")
@@ -109,7 +111,18 @@ def load_runs(
             store.metric_histories(client, run, keys),
         )
         out.append(data)
-    return out, group_by, uri
+    return (newest_per_seed(out)[0] if newest_only else out), group_by, uri
+
+
+def newest_per_seed(run_data: Sequence[RunData]) -> tuple[list[RunData], int]:
+    """(the newest run of each (group, seed), how many older ones it replaced) from runs ordered oldest first:
+    a re-run with changed code or config (another config hash, same arm and seed) supersedes the old run, which
+    stays in MLflow."""
+    newest: dict[tuple, RunData] = {}
+    for run in run_data:
+        newest.pop((run.group, run_seed(run)), None)  # re-inserted: the kept runs stay in age order
+        newest[(run.group, run_seed(run))] = run
+    return list(newest.values()), len(run_data) - len(newest)
 
 
 def reduce_values(values: Sequence[float], reduce: str) -> float:

@@ -30,6 +30,7 @@ from fp8rl.report.frames import (
     cells,
     grouped,
     load_runs,
+    newest_per_seed,
     paired_cells,
     paired_differences,
     reduce_values,
@@ -98,7 +99,7 @@ def _paper_column(experiment: str, keys: list[tuple[str, ...]]) -> list[str]:
     return [next((f"{scores[part]:g}" for part in key if part in scores), "") for key in keys]
 
 
-def provenance_header(experiment: str, run_data: list[RunData], uri: str) -> str:
+def provenance_header(experiment: str, run_data: list[RunData], uri: str, superseded: int = 0) -> str:
     shas = sorted(
         {r.tags.get("git_sha", "?")[:10] + ("-dirty" if r.tags.get("git_dirty") == "true" else "") for r in run_data}
     )
@@ -109,6 +110,12 @@ def provenance_header(experiment: str, run_data: list[RunData], uri: str) -> str
         f"{time.strftime('%Y-%m-%d %H:%M %Z')} by `python -m fp8rl.report`. Surge detector: "
         f"fp8rl/report/surge.py (ratio >= {SURGE_RULE.ratio}, rise >= {SURGE_RULE.min_rise} nats); "
         "`surged` = fraction of runs."
+        + (
+            f" {superseded} older run(s) of the same arm and seed, superseded by a re-run, are left out (they stay in "
+            "MLflow)."
+            if superseded
+            else ""
+        )
     )
 
 
@@ -120,7 +127,10 @@ def write_table(
     name: str | None = None,
 ) -> list[Path]:
     """Build one table from the sweep `experiment` (MLflow experiment name) into `out_dir`."""
-    run_data, group_by, uri = load_runs(experiment, [c.key for c in columns], tracking_uri=tracking_uri)
+    every_run, group_by, uri = load_runs(
+        experiment, [c.key for c in columns], tracking_uri=tracking_uri, newest_only=False
+    )
+    run_data, superseded = newest_per_seed(every_run)
     if not run_data:
         raise SystemExit(f"MLflow experiment {experiment!r} has no finished runs yet")
     names = [compare_name(g) for g in group_by]
@@ -129,7 +139,7 @@ def write_table(
     display = cells(table, names, columns)
     stem = name or experiment
     base = stem.rsplit("-", 1)[0]
-    lines = [provenance_header(experiment, run_data, uri), ""]
+    lines = [provenance_header(experiment, run_data, uri, superseded), ""]
     if base in PAPER_SCORES:
         display["paper"] = _paper_column(base, [tuple(row) for row in table[names].astype(str).values.tolist()])
     lines.append(display.to_markdown(index=False))

@@ -77,6 +77,22 @@ def test_table_groups_seeds_reduces_histories_and_sets_the_paper_beside_ours(sto
     assert configs["runs"][0]["config"] == {"algo.lr": "2e-05", "trainer.seed": "0"}
 
 
+def test_a_re_run_of_an_arm_and_seed_supersedes_the_older_run(store: str, tmp_path: Path) -> None:
+    client = runs.client(store)
+    exp_id = runs.experiment_id(client, "grpo_granularity-tiny", create=False)
+    parent = ensure_parent(client, exp_id, "grpo_granularity-tiny", {})
+    _child(client, exp_id, parent, "bf16", 0, [0.2] * 40, 0.50)  # re-run of bf16 seed 0 (e.g. new code)
+    out = tmp_path / "results"
+    tables.write_table("grpo_granularity-tiny", out, tracking_uri=store)
+    per_run = [r for r in csv.DictReader(open(out / "grpo_granularity-tiny.runs.csv")) if r["arm"] == "bf16"]
+    assert sorted(r["seed"] for r in per_run) == ["0", "1", "2"]
+    assert [float(r["acc (last 3 evals)"]) for r in per_run if r["seed"] == "0"] == [pytest.approx(0.45)]
+    assert (
+        "1 older run(s) of the same arm and seed, superseded by a re-run"
+        in (out / "grpo_granularity-tiny.md").read_text()
+    )
+
+
 def test_paired_differences_against_bf16_with_t_intervals(store: str, tmp_path: Path) -> None:
     tables.write_table("grpo_granularity-tiny", tmp_path, tracking_uri=store)
     paired = {r["metric"]: r for r in csv.DictReader(open(tmp_path / "grpo_granularity-tiny.paired.csv"))}
