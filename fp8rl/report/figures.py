@@ -40,11 +40,10 @@ CURVE_PANELS = (
     Panel("held-out accuracy", ("eval/accuracy",), "accuracy (share correct)"),
     Panel("garbled rollouts", ("rollout/garbled_rate",), "garbled (share of rollouts)"),
     Panel("clipped negative tokens (clip/low_neg)", ("clip/low_neg",), "share of A < 0 tokens"),
-    Panel("clip bounds: low (solid), high (dashed)", ("clip/bound_low", "clip/bound_high"), "bound (ratio)"),
+    Panel("clip bounds: lower (< 1) and upper (> 1)", ("clip/bound_low", "clip/bound_high"), "bound (ratio)"),
     Panel("update balance p = contrib_pos / contrib_neg", ("clip/p",), "p (ratio)"),
     Panel("response length", ("rollout/response_len",), "tokens"),
 )
-LINE_STYLES = ("-", "--")  # a panel's first and second key
 METHOD_STYLE = {  # method -> (line style of the first key, legend name)
     "bf16": ("-", "BF16"),
     "fp8_rollout": (":", "FP8 rollout"),
@@ -101,13 +100,12 @@ def _draw_panel(ax: Any, panel: Panel, groups: dict, styles: dict[tuple, ArmStyl
     drawn = False
     for group, members in groups.items():
         style = styles[group]
-        for index, key in enumerate(panel.keys):
+        for key in panel.keys:  # several keys (the two bounds) share the arm's style: they never overlap
             band = seed_band(members, key)
             if band.empty:
                 continue
             drawn = True
-            linestyle = style.linestyle if index == 0 else LINE_STYLES[1]
-            ax.plot(band["step"], band["mean"], linestyle=linestyle, color=style.color, linewidth=1.4)
+            ax.plot(band["step"], band["mean"], linestyle=style.linestyle, color=style.color, linewidth=1.4)
             spread = band["std"].fillna(0.0)
             if (band["count"] > 1).any():
                 ax.fill_between(band["step"], band["mean"] - spread, band["mean"] + spread, color=style.color,
