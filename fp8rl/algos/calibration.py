@@ -390,7 +390,6 @@ class CalibratedClipBounds:
     _next_step: int = field(init=False, repr=False)
     _last: dict[str, float] = field(init=False, repr=False)
     _window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
-    _step_neg: int = field(init=False, repr=False)  # negative tokens the newest observed step held
 
     def __post_init__(self) -> None:
         if self.interval < 1:
@@ -408,7 +407,7 @@ class CalibratedClipBounds:
         keys = ("status", "alpha_low", "ref_p", "p", "fp8_low_neg_standard", "count", "pool_neg", "pool_steps")
         self._last = dict.fromkeys(keys, 0.0)
         self._last.update(raw_low=self._low, raw_high=self._high)
-        self._window, self._step_neg = [], 0
+        self._window = []
 
     @property
     def bounds(self) -> ClipBounds:
@@ -420,14 +419,13 @@ class CalibratedClipBounds:
 
     def wants_shadow(self, step: int) -> bool:
         """Calibration steps, and every step while one step's tokens do not fill the pool (class docstring)."""
-        return self.needs_calibration(step) or self._step_neg < self.pool_neg_tokens
+        return self.needs_calibration(step) or _negatives(self._window[-1:]) < self.pool_neg_tokens
 
     def observe(self, ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> None:
         """Add a shadow step's masked tokens to the pool; drop the oldest steps the pool no longer needs."""
         selected = as_bool_mask(mask)
         token_adv = expand_adv(adv, ratio_fp8).detach()
         step_tokens = tuple(at_least_float32(t.detach()[selected]).cpu() for t in (ratio_ref, ratio_fp8, token_adv))
-        self._step_neg = int((step_tokens[2] < 0).sum())
         self._window.append(step_tokens)
         while len(self._window) > 1 and _negatives(self._window[1:]) >= self.pool_neg_tokens:
             self._window.pop(0)
@@ -466,7 +464,6 @@ class CalibratedClipBounds:
             "next_step": self._next_step,
             "last": dict(self._last),
             "window": [[t.tolist() for t in step] for step in self._window],  # plain lists (float32 values exact)
-            "step_neg": self._step_neg,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -480,7 +477,6 @@ class CalibratedClipBounds:
         self._window = [
             tuple(torch.tensor(values, dtype=torch.float32) for values in step) for step in state.get("window", [])
         ]
-        self._step_neg = int(state.get("step_neg", 0))
 
 
 def _negatives(window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:

@@ -113,7 +113,8 @@ class ShadowComparison:
             return metrics
         metrics.update(_standard_shadow_metrics(ratio_ref, ratio_fp8, adv, a.eps_low, a.eps_high))
         if calibrate:
-            metrics.update(self._held_out(ratio_ref, ratio_fp8, adv, clip_policy.bounds, a.eps_low, a.eps_high))
+            # the bounds in force were calibrated on earlier steps only: this step's tokens are out of sample
+            metrics.update(_cc_metrics(ratio_ref, ratio_fp8, adv, clip_policy.bounds, a.eps_low, a.eps_high))
             ones = torch.ones(1, adv.numel(), dtype=torch.bool)
             if clip_policy.needs_calibration(step):
                 clip_policy.update(ratio_ref[None], ratio_fp8[None], adv[None], ones, step)
@@ -123,31 +124,6 @@ class ShadowComparison:
         else:
             metrics.update(self._out_of_sample(a.eps_low, a.eps_high, calibrate_high=not _lower_only(clip_policy)))
         return metrics
-
-    @staticmethod
-    def _held_out(
-        ratio_ref: torch.Tensor,
-        ratio_fp8: torch.Tensor,
-        adv: torch.Tensor,
-        bounds: Any,
-        eps_low: float,
-        eps_high: float,
-    ) -> dict[str, float]:
-        """Calibrated Clipping's own bounds in force this step (calibrated on earlier steps only, so out of
-        sample) measured on this step's pooled tokens."""
-        low, high = bounds
-        std_low, std_high = algos.standard_bounds(eps_low, eps_high)
-        mask = torch.ones(1, adv.numel(), dtype=torch.bool)
-        measured = algos.overclip_metrics(
-            ratio_ref[None], ratio_fp8[None], adv[None], mask, low, high, std_low, std_high
-        )
-        clipped = algos.clip_fraction_metrics(ratio_fp8[None], adv[None], mask, low, high)
-        return {
-            "clip/cc_oos_overclip_neg": float(measured["clip/overclip_neg"]),
-            "clip/cc_oos_underclip_neg": float(measured["clip/underclip_neg"]),
-            "clip/cc_oos_low_neg": float(clipped["clip/low_neg"]),
-            "clip/cc_oos_ref_low_neg": float(measured["clip/ref_low_neg"]),
-        }
 
     def _out_of_sample(self, eps_low: float, eps_high: float, calibrate_high: bool) -> dict[str, float]:
         """Calibrate on one half of the pooled sequences and measure on the other, and the reverse; mean of the
@@ -161,21 +137,26 @@ class ShadowComparison:
             bounds = algos.calibrate(
                 *(t[None] for t in fit), fit_mask, eps_low, eps_high, calibrate_high=calibrate_high
             )
-            ref, fp8, adv = held_out
-            mask = torch.ones(1, adv.numel(), dtype=torch.bool)
-            low, high = bounds.bounds
-            std_low, std_high = algos.standard_bounds(eps_low, eps_high)
-            measured = algos.overclip_metrics(ref[None], fp8[None], adv[None], mask, low, high, std_low, std_high)
-            clipped = algos.clip_fraction_metrics(fp8[None], adv[None], mask, low, high)
-            results.append(
-                {
-                    "clip/cc_oos_overclip_neg": float(measured["clip/overclip_neg"]),
-                    "clip/cc_oos_underclip_neg": float(measured["clip/underclip_neg"]),
-                    "clip/cc_oos_low_neg": float(clipped["clip/low_neg"]),
-                    "clip/cc_oos_ref_low_neg": float(measured["clip/ref_low_neg"]),
-                }
-            )
+            results.append(_cc_metrics(*held_out, bounds.bounds, eps_low, eps_high))
         return {k: (results[0][k] + results[1][k]) / 2 for k in results[0]}
+
+
+def _cc_metrics(
+    ratio_ref: torch.Tensor, ratio_fp8: torch.Tensor, adv: torch.Tensor, bounds: Any, eps_low: float, eps_high: float
+) -> dict[str, float]:
+    """``clip/cc_oos_*``: over-, under- and clipped shares of the pooled negative tokens at Calibrated Clipping's
+    ``bounds`` (low, high), against BF16 at the standard bounds; the caller keeps the tokens out of sample."""
+    low, high = bounds
+    std_low, std_high = algos.standard_bounds(eps_low, eps_high)
+    mask = torch.ones(1, adv.numel(), dtype=torch.bool)
+    measured = algos.overclip_metrics(ratio_ref[None], ratio_fp8[None], adv[None], mask, low, high, std_low, std_high)
+    clipped = algos.clip_fraction_metrics(ratio_fp8[None], adv[None], mask, low, high)
+    return {
+        "clip/cc_oos_overclip_neg": float(measured["clip/overclip_neg"]),
+        "clip/cc_oos_underclip_neg": float(measured["clip/underclip_neg"]),
+        "clip/cc_oos_low_neg": float(clipped["clip/low_neg"]),
+        "clip/cc_oos_ref_low_neg": float(measured["clip/ref_low_neg"]),
+    }
 
 
 def _lower_only(clip_policy: Any) -> bool:
