@@ -111,7 +111,8 @@ ablation: setup
 	$(REPRO_SWEEP) ablation_recal_interval clipping.interval=$(RECAL_K) trainer.seed=$(SEEDS)
 	$(REPRO_SWEEP) ablation_init_bounds trainer.seed=$(SEEDS)
 	$(REPRO_SWEEP) ablation_lower_only trainer.seed=$(SEEDS)
-	$(REPORT) table ablation_recal_interval ablation_init_bounds ablation_lower_only
+	$(REPRO_SWEEP) ablation_first_calibration trainer.seed=$(SEEDS)
+	$(REPORT) table ablation_recal_interval ablation_init_bounds ablation_lower_only ablation_first_calibration
 
 # Stronger settings for effects the tiny tables do not show (results/README.md): activation outliers, longer runs.
 stress: setup

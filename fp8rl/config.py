@@ -172,6 +172,11 @@ class ClippingConfig:
 
     policy: str = option("standard", "clip-bound policy (registry: standard, calibrated)")
     interval: int = option(20, "calibrated: recalibrate every K steps (paper: 20)")
+    first_step: int | None = option(
+        None,
+        "calibrated: index of the step (0 = the first) whose shadow gives the first calibration, in force from "
+        "the next step; then every K steps (None = K: the first K + 1 steps run at the initial bounds)",
+    )
     init_low: float | None = option(None, "calibrated: lower bound before the first calibration (None = 1 - eps_low)")
     init_high: float | None = option(None, "calibrated: upper bound before the first calibration (None = 1 + eps_high)")
     ema: float = option(0.5, "calibrated: smoothing, bound = ema * old + (1 - ema) * calibrated")
@@ -193,6 +198,10 @@ class ClippingConfig:
 
     def __post_init__(self) -> None:
         _require(self.interval >= 1, f"clipping.interval={self.interval} must be >= 1")
+        _require(
+            self.first_step is None or self.first_step >= 0,
+            f"clipping.first_step={self.first_step} must be >= 0 (0 = the first step), or null for the interval",
+        )
         _require(self.synthetic_overclip_std >= 0, "clipping.synthetic_overclip_std must be >= 0")
         _require(0 <= self.ema < 1, f"clipping.ema={self.ema} must be in [0, 1)")
         _require(self.pool_neg_tokens >= 0, f"clipping.pool_neg_tokens={self.pool_neg_tokens} must be >= 0")

@@ -33,6 +33,7 @@ HASH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "parallel.": (None,),
     "algo.resample_rounds": (None, 0),
     "clipping.pool_neg_tokens": (0,),
+    "clipping.first_step": (None,),
     "precision.amax_history_len": (16,),
     "precision.amax_compute_algo": ("max",),
     "precision.margin": (0,),

@@ -33,6 +33,7 @@ SWEEPS = ROOT / "sweeps"
         ({"precision.backend": "te"}, "model.device=cuda"),
         ({"algo.eps_low": 1.5}, "eps_low"),
         ({"clipping.init_low": 1.1}, "init_low"),
+        ({"clipping.first_step": -1}, "first_step=-1 must be >= 0"),
         ({"rollout.temperature": 0.0}, "temperature"),
         ({"precision.fp8_kv_cache": True}, "fp8_kv_cache"),
         ({"algo.group_size": 1}, "group_size"),
@@ -125,8 +126,9 @@ def test_algorithm_library_defaults_agree_with_the_config() -> None:
 
     cfg = RunConfig()
     cc = {f.name: f.default for f in dataclasses.fields(CalibratedClipBounds)}
-    assert (cc["interval"], cc["ema"], cc["lower_bound_only"]) == (
+    assert (cc["interval"], cc["first_step"], cc["ema"], cc["lower_bound_only"]) == (
         cfg.clipping.interval,
+        cfg.clipping.first_step,
         cfg.clipping.ema,
         cfg.clipping.lower_only,
     )

@@ -39,8 +39,9 @@ Project choices (the paper's text is not available; each is a documented default
   NO_REF_NEG_CONTRIB / NO_NEG_CONTRIB (BF16 / FP8 negative contribution is 0, p undefined): high
   standard. P_UNREACHABLE: the target lies outside the reachable contributions; the closest end is used.
 - The stateful policy smooths with an EMA, bound <- ema * bound + (1 - ema) * calibrated, default
-  ema = 0.5 (0 = jump to the calibrated value); the first calibration happens at step K (the first K
-  steps use the initial bounds, default the standard bounds), then every K steps.
+  ema = 0.5 (0 = jump to the calibrated value); the first calibration uses the shadow of step K (steps count
+  from 0; ``first_step`` moves it) and applies from the next step, so steps 0..K run at the initial bounds
+  (default the standard bounds); then every K steps.
 """
 
 from __future__ import annotations
@@ -379,7 +380,7 @@ class CalibratedClipBounds:
     eps_low: float = 0.2
     eps_high: float = 0.2
     interval: int = 20  # K: steps between calibrations (the paper's default)
-    first_step: int | None = None  # first calibration step; None = interval
+    first_step: int | None = None  # step (0 = the first) of the first calibration; None = interval
     initial_bounds: tuple[float, float] | None = None  # None = the standard bounds
     ema: float = 0.5  # weight of the previous bound; 0 = jump to the calibrated value
     lower_bound_only: bool = False  # ablation: calibrate low, keep high = initial high
@@ -396,6 +397,8 @@ class CalibratedClipBounds:
             raise ValueError(f"interval must be >= 1, got {self.interval}")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {self.ema}")
+        if self.first_step is not None and self.first_step < 0:
+            raise ValueError(f"first_step must be >= 0 (0 = the first step) or None, got {self.first_step}")
         if self.pool_neg_tokens < 0:
             raise ValueError(f"pool_neg_tokens must be >= 0, got {self.pool_neg_tokens}")
         initial = self.initial_bounds or standard_bounds(self.eps_low, self.eps_high)

@@ -222,6 +222,7 @@ def build_clip_policy(algo: AlgoConfig, clipping: ClippingConfig) -> algos.ClipB
         eps_low=algo.eps_low,
         eps_high=algo.eps_high,
         interval=clipping.interval,
+        first_step=clipping.first_step,
         initial_bounds=initial,
         ema=clipping.ema,
         lower_bound_only=clipping.lower_only,

@@ -25,6 +25,9 @@ from fp8rl.report.surge import SurgeRule, detect_surge
 from fp8rl.tracking import store
 
 REDUCTIONS = ("last", "last3", "mean", "sum", "max", "min", "surge_ratio", "surged")
+# Means over a part of the run, split where the run's calibration schedule (clipping.interval, .first_step) first
+# puts calibrated clip bounds in force; arms without calibration are split at the same step (a paired comparison).
+SCHEDULE_SPLITS = {"mean_initial_bounds": False, "mean_calibrated_bounds": True}
 SEED_KEYS = ("trainer.seed", "sweep.trainer.seed", "seed")  # where a run's seed is found (param or tag)
 CONFIDENCE = 0.95
 FALLBACK_GROUP_BY = ("algo", "precision", "recipe", "clipping")
@@ -41,8 +44,8 @@ class Column:
     fmt: str = "{:.3f}"
 
     def __post_init__(self) -> None:
-        if self.reduce not in REDUCTIONS:
-            raise ValueError(f"reduction {self.reduce!r}; valid: {list(REDUCTIONS)}")
+        if self.reduce not in (*REDUCTIONS, *SCHEDULE_SPLITS):
+            raise ValueError(f"reduction {self.reduce!r}; valid: {[*REDUCTIONS, *SCHEDULE_SPLITS]}")
 
 
 @dataclass
@@ -56,6 +59,28 @@ class RunData:
 
     def series(self, key: str) -> list[float]:
         return [v for _, v in sorted(self.history.get(key, []))]
+
+    def reduced(self, column: Column) -> float:
+        """The column's metric over this run's steps, reduced (`reduce_values`, or a `SCHEDULE_SPLITS` part)."""
+        if column.reduce not in SCHEDULE_SPLITS:
+            return reduce_values(self.series(column.key), column.reduce)
+        first = first_calibrated_step(self.params)
+        if first is None:
+            return math.nan
+        calibrated = SCHEDULE_SPLITS[column.reduce]
+        steps = sorted(self.history.get(column.key, []))
+        return reduce_values([v for step, v in steps if (step >= first) == calibrated], "mean")
+
+
+def first_calibrated_step(params: dict[str, str]) -> int | None:
+    """The first logged step (from 1) trained with calibrated clip bounds under a run's schedule, None without one.
+
+    The calibration on step index f (from 0: ``clipping.first_step``, else ``clipping.interval``) uses that
+    step's shadow after its update and is in force from the next step, index f + 1, logged as step f + 2."""
+    interval, first = params.get("clipping.interval"), params.get("clipping.first_step", "None")
+    if interval is None:
+        return None
+    return (int(interval) if first == "None" else int(first)) + 2
 
 
 def lookup(run: Any, key: str) -> str:
@@ -159,7 +184,7 @@ def runs_frame(run_data: Sequence[RunData], columns: Sequence[Column], group_by:
         row = {"run_id": run.run_id, "run_name": run.name, "git_sha": run.tags.get("git_sha", "")}
         row.update({"seed": run_seed(run)} if seed else {})
         row.update(dict(zip(group_by, run.group, strict=True)))
-        row.update({c.label: reduce_values(run.series(c.key), c.reduce) for c in columns})
+        row.update({c.label: run.reduced(c) for c in columns})
         rows.append(row)
     head = ["run_id", "run_name", "git_sha", *seed, *group_by]
     return pd.DataFrame(rows, columns=[*head, *(c.label for c in columns)])

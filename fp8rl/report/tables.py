@@ -25,6 +25,7 @@ import pandas as pd
 
 from fp8rl.report.frames import (
     CONFIDENCE,
+    SCHEDULE_SPLITS,
     Column,
     RunData,
     cells,
@@ -33,7 +34,6 @@ from fp8rl.report.frames import (
     newest_per_seed,
     paired_cells,
     paired_differences,
-    reduce_values,
     runs_frame,
 )
 from fp8rl.report.paper import PAPER_METRIC, PAPER_SCORES
@@ -51,6 +51,8 @@ TABLE_COLUMNS = (
     Column("garbled (rollout, mean)", "rollout/garbled_rate", "mean", "{:.4f}"),
     Column("response len (rollout)", "rollout/response_len", "mean", "{:.2f}"),
     Column("clip/low_neg (mean)", "clip/low_neg", "mean", "{:.4f}"),
+    Column("clip/low_neg before 1st calibration", "clip/low_neg", "mean_initial_bounds", "{:.4f}"),
+    Column("clip/low_neg after 1st calibration", "clip/low_neg", "mean_calibrated_bounds", "{:.4f}"),
     Column("overclip, CC out-of-sample", "clip/cc_oos_overclip_neg", "mean", "{:.4f}"),
     Column("overclip, standard bounds", "clip/shadow_overclip_neg", "mean", "{:.4f}"),
     Column("BF16 low_neg (shadow)", "clip/shadow_ref_low_neg", "mean", "{:.4f}"),
@@ -67,11 +69,18 @@ PAIRED_LABELS = (
     "acc (last 3 evals)",
     "acc, BF16 eval (last 3)",
     "clip/low_neg (mean)",
+    "clip/low_neg after 1st calibration",
     "garbled (rollout, mean)",
     "reward (mean)",
     "surge ratio",
 )
 REFERENCE_ARM = "bf16"
+SPLIT_NOTE = (
+    "`before / after 1st calibration`: the mean over the steps that ran at the initial clip bounds under the run's "
+    "calibration schedule and over the steps after them. The first calibration uses the shadow of the step with "
+    "index f (from 0: `clipping.first_step`, else `clipping.interval`) and is in force from the next one, so logged "
+    "steps 1 to f + 1 are before it; arms without Calibrated Clipping are split at the same step."
+)
 # Columns a table adds to TABLE_COLUMNS: the collapse study's junk rates (its task's own metric)
 EXTRA_COLUMNS = {
     "collapse": (
@@ -143,6 +152,8 @@ def write_table(
     if base in PAPER_SCORES:
         display["paper"] = _paper_column(base, [tuple(row) for row in table[names].astype(str).values.tolist()])
     lines.append(display.to_markdown(index=False))
+    if any(c.reduce in SCHEDULE_SPLITS for c in columns):
+        lines += ["", SPLIT_NOTE]
     if base in PAPER_SCORES:
         lines += [
             "",
@@ -213,7 +224,7 @@ def summarize_runs(
         run = client.get_run(run_id) if run_id else None
         histories = runs.metric_histories(client, run, [c.key for c in columns]) if run else {}
         data = RunData(run_id or "", name, (name,), {}, {}, histories)
-        rows.append({"run": name, **{c.label: reduce_values(data.series(c.key), c.reduce) for c in columns}})
+        rows.append({"run": name, **{c.label: data.reduced(c) for c in columns}})
     return pd.DataFrame(rows)
 
 

@@ -24,6 +24,7 @@ EXPECTED = {  # experiment -> (points, axes)
     "stress_outliers": (4, ["+experiment/arm"]),
     "ablation_recal_interval": (3, ["clipping.interval"]),
     "ablation_init_bounds": (2, ["+experiment/arm"]),
+    "ablation_first_calibration": (3, ["+experiment/arm"]),
     "fp8_rollout_baseline": (4, ["precision", "clipping"]),
     "collapse": (3, ["+experiment/arm"]),
 }

@@ -99,3 +99,20 @@ def test_a_single_run_has_zero_std_and_a_missing_metric_is_nan() -> None:
     table = grouped(runs_frame([run], [column, absent], ["arm"]), ["arm"], [column, absent])
     assert (table.loc[0, "a:mean"], table.loc[0, "a:std"]) == (2.0, 0.0)
     assert math.isnan(table.loc[0, "b:mean"]) and math.isnan(table.loc[0, "b:std"])
+
+
+@pytest.mark.parametrize(
+    ("params", "before", "after"),
+    [
+        ({"clipping.interval": "5"}, 3.5, 8.5),  # calibration on step index 5, in force from logged step 7
+        ({"clipping.interval": "5", "clipping.first_step": "None"}, 3.5, 8.5),
+        ({"clipping.interval": "5", "clipping.first_step": "0"}, 1.0, 6.0),  # in force from logged step 2
+    ],
+)
+def test_a_run_splits_where_its_schedule_first_puts_calibrated_bounds_in_force(params, before, after) -> None:
+    from fp8rl.report.frames import RunData
+
+    run = RunData("r", "n", ("g",), {}, params, {"clip/low_neg": [(step, float(step)) for step in range(1, 11)]})
+    columns = [Column(split, "clip/low_neg", split) for split in ("mean_initial_bounds", "mean_calibrated_bounds")]
+    assert [run.reduced(c) for c in columns] == [before, after]
+    assert all(math.isnan(RunData("r", "n", ("g",), {}, {}, run.history).reduced(c)) for c in columns)
