@@ -113,6 +113,7 @@ ablation: setup
 	$(REPRO_SWEEP) ablation_lower_only trainer.seed=$(SEEDS)
 	$(REPRO_SWEEP) ablation_first_calibration trainer.seed=$(SEEDS)
 	$(REPORT) table ablation_recal_interval ablation_init_bounds ablation_lower_only ablation_first_calibration
+	$(REPORT) reruns ablation_first_calibration
 
 # Stronger settings for effects the tiny tables do not show (results/README.md): activation outliers, longer runs.
 stress: setup

@@ -2,6 +2,7 @@
 
 table EXP [EXP ...]   the paper table of each sweep experiment (MLflow experiment ``EXP-<scale>``)
 mechanism             the one-step mechanism study's tables (experiment ``mechanism-<scale>``)
+reruns EXP [EXP ...]  whether each run of EXP that repeats a config hash of another experiment reproduced it
 figures               training curves of every table present in MLflow, and the mechanism plots
 index                 INDEX.md and PROVENANCE.json for everything in the output folder
 """
@@ -13,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from fp8rl.report import figures, tables
+from fp8rl.report import figures, reruns, tables
 from fp8rl.tracking import store as runs
 from fp8rl.tracking.provenance import provenance
 
@@ -23,6 +24,7 @@ TABLE_EXPERIMENTS = (
     "ablation_recal_interval",
     "ablation_init_bounds",
     "ablation_lower_only",
+    "ablation_first_calibration",
     "stress_outliers",
     "collapse",
 )
@@ -40,6 +42,13 @@ def cmd_table(args: argparse.Namespace) -> list[Path]:
     for experiment in args.experiments:
         columns = tables.columns_of(experiment)
         written += tables.write_table(f"{experiment}-{args.scale}", args.out, columns, tracking_uri=args.tracking_uri)
+    return written
+
+
+def cmd_reruns(args: argparse.Namespace) -> list[Path]:
+    written = []
+    for experiment in args.experiments:
+        written += reruns.write_reruns(f"{experiment}-{args.scale}", args.out, tracking_uri=args.tracking_uri)
     return written
 
 
@@ -112,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     table = sub.add_parser("table", help="paper tables of sweep experiments")
     table.add_argument("experiments", nargs="+", choices=TABLE_EXPERIMENTS)
+    repeated = sub.add_parser("reruns", help="did the runs of a sweep that repeat another's config hashes reproduce")
+    repeated.add_argument("experiments", nargs="+", choices=TABLE_EXPERIMENTS)
     for name in ("mechanism", "figures", "index"):
         sub.add_parser(name)
     args = parser.parse_args(argv)
     args.out = args.out or Path("results") / args.scale
-    handler = {"table": cmd_table, "mechanism": cmd_mechanism, "figures": cmd_figures, "index": cmd_index}[args.what]
+    handlers = {"table": cmd_table, "reruns": cmd_reruns, "mechanism": cmd_mechanism, "figures": cmd_figures}
+    handler = {**handlers, "index": cmd_index}[args.what]
     for path in handler(args):
         print(f"wrote {path}")
     return 0

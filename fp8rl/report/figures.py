@@ -32,17 +32,18 @@ class Panel:
     title: str
     keys: tuple[str, ...]
     ylabel: str
+    nonnegative: bool = False  # a share or length: the seed band (mean +- sd) is cut at 0
 
 
 CURVE_PANELS = (
-    Panel("rollout entropy", ("rollout/entropy",), "entropy (nats / token)"),
+    Panel("rollout entropy", ("rollout/entropy",), "entropy (nats / token)", nonnegative=True),
     Panel("rollout reward", ("rollout/reward",), "mean reward (share correct)"),
-    Panel("held-out accuracy", ("eval/accuracy",), "accuracy (share correct)"),
-    Panel("garbled rollouts", ("rollout/garbled_rate",), "garbled (share of rollouts)"),
-    Panel("clipped negative tokens (clip/low_neg)", ("clip/low_neg",), "share of A < 0 tokens"),
+    Panel("held-out accuracy", ("eval/accuracy",), "accuracy (share correct)", nonnegative=True),
+    Panel("garbled rollouts", ("rollout/garbled_rate",), "garbled (share of rollouts)", nonnegative=True),
+    Panel("clipped negative tokens (clip/low_neg)", ("clip/low_neg",), "share of A < 0 tokens", nonnegative=True),
     Panel("clip bounds: lower (< 1) and upper (> 1)", ("clip/bound_low", "clip/bound_high"), "bound (ratio)"),
     Panel("update balance p = contrib_pos / contrib_neg", ("clip/p",), "p (ratio)"),
-    Panel("response length", ("rollout/response_len",), "tokens"),
+    Panel("response length", ("rollout/response_len",), "tokens", nonnegative=True),
 )
 METHOD_STYLE = {  # method -> (line style of the first key, legend name)
     "bf16": ("-", "BF16"),
@@ -107,9 +108,10 @@ def _draw_panel(ax: Any, panel: Panel, groups: dict, styles: dict[tuple, ArmStyl
             drawn = True
             ax.plot(band["step"], band["mean"], linestyle=style.linestyle, color=style.color, linewidth=1.4)
             spread = band["std"].fillna(0.0)
+            low = band["mean"] - spread
             if (band["count"] > 1).any():
-                ax.fill_between(band["step"], band["mean"] - spread, band["mean"] + spread, color=style.color,
-                                alpha=0.15, linewidth=0)  # fmt: skip
+                low = low.clip(lower=0.0) if panel.nonnegative else low
+                ax.fill_between(band["step"], low, band["mean"] + spread, color=style.color, alpha=0.15, linewidth=0)
     if not drawn:
         ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes, color="gray")
     ax.set_title(panel.title, fontsize=10)

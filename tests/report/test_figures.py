@@ -89,3 +89,20 @@ def test_figures_are_written_and_attached_to_the_sweeps_parent_run(store: str, t
     parent = runs.find_parent(client, runs.experiment_id(client, EXPERIMENT, create=False), EXPERIMENT)
     attached = sorted(a.path for a in client.list_artifacts(parent.info.run_id, "figures"))
     assert attached == [f"figures/{EXPERIMENT}_curves.pdf", f"figures/{EXPERIMENT}_curves.png"]
+
+
+def test_the_band_of_a_share_stops_at_zero() -> None:
+    from fp8rl.report.frames import RunData
+
+    panel = next(p for p in figures.CURVE_PANELS if p.keys == ("rollout/garbled_rate",))
+    members = [  # mean 0.01, sd 0.017 at every step: mean - sd is below 0, which no share can be
+        RunData(f"r{seed}", f"r{seed}", ("fp8",), ARMS["fp8_tensorwise"], {}, {panel.keys[0]: [(1, v), (2, v)]})
+        for seed, v in enumerate((0.0, 0.0, 0.03))
+    ]
+    groups = {("fp8",): members}
+    plt = figures._plt()
+    fig, ax = plt.subplots()
+    figures._draw_panel(ax, panel, groups, figures.arm_styles(groups, ["arm"]))
+    (band,) = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert band.get_paths()[0].vertices[:, 1].min() == 0.0
+    plt.close(fig)

@@ -1,0 +1,96 @@
+"""Did a re-run reproduce? An experiment's runs against the runs of other experiments with the same config hash.
+
+A sweep skips the config hashes that finished in its own MLflow experiment only, so an experiment that shares
+arms with another (an ablation beside a table) runs them again. `write_reruns` pairs each finished run of the
+experiment with every finished run of the same config hash elsewhere in the store and compares each metric both
+logged, step by step. Timings, system and launch metrics are left out: they measure the machine, not the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from fp8rl.tracking import store
+
+MACHINE_METRICS = ("time/", "system/", "launch/")
+
+
+@dataclass(frozen=True)
+class HistoryComparison:
+    """Two runs' metric histories, compared on the metrics both logged."""
+
+    compared: int  # metrics both runs logged
+    identical: int  # of them, equal at every step
+    largest_difference: float  # max |a - b| over the shared steps of every compared metric
+    first_different: str  # the first differing metric in name order, "" when all are identical
+
+
+def compare_histories(
+    a: Mapping[str, list[tuple[int, float]]], b: Mapping[str, list[tuple[int, float]]]
+) -> HistoryComparison:
+    """Compare two runs' histories (metric -> [(step, value)]); a metric whose steps differ is not identical."""
+    keys = sorted(k for k in set(a) & set(b) if not k.startswith(MACHINE_METRICS))
+    identical, largest, first = 0, 0.0, ""
+    for key in keys:
+        left, right = dict(a[key]), dict(b[key])
+        shared = left.keys() & right.keys()
+        gap = max((abs(left[s] - right[s]) for s in shared), default=0.0)
+        largest = max(largest, gap)
+        if left == right:
+            identical += 1
+        elif not first:
+            first = key
+    return HistoryComparison(len(keys), identical, largest, first)
+
+
+def write_reruns(experiment: str, out_dir: Path, tracking_uri: str | None = None) -> list[Path]:
+    """``<experiment>.reruns.md`` / ``.csv``: each finished run of `experiment` that repeats a config hash finished
+    in another experiment, with how far its metric histories are from that run's."""
+    uri = store.absolute_tracking_uri(tracking_uri)
+    client = store.client(uri)
+    exp_id = store.experiment_id(client, experiment, create=False)
+    if exp_id is None:
+        raise SystemExit(f"no MLflow experiment {experiment!r} in {store.display_uri(uri)}: run its sweep first")
+    others = [e.experiment_id for e in client.search_experiments() if e.experiment_id != exp_id]
+    rows = []
+    for run in store.child_runs(client, exp_id):
+        config_hash = run.data.tags[store.HASH_TAG]
+        if run.info.status != "FINISHED" or not others:
+            continue
+        same_config = f"tags.`{store.HASH_TAG}` = '{config_hash}' and attributes.status = 'FINISHED'"
+        earlier = client.search_runs(others, same_config)
+        mine = store.metric_histories(client, run, run.data.metrics)
+        for other in earlier:
+            result = compare_histories(mine, store.metric_histories(client, other, other.data.metrics))
+            rows.append(_row(run, other, client.get_experiment(other.info.experiment_id).name, result))
+    frame = pd.DataFrame(rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, csv_path = out_dir / f"{experiment}.reruns.md", out_dir / f"{experiment}.reruns.csv"
+    title = (
+        f"Re-runs in `{experiment}` (MLflow `{store.display_uri(uri)}`) of config hashes that finished in another "
+        f"experiment: {len(frame)} pair(s). Every metric both runs logged is compared step by step "
+        f"(not {', '.join(MACHINE_METRICS)}: the machine's); `identical` counts metrics equal at every step."
+    )
+    table = frame.to_markdown(index=False, floatfmt=".3g") if len(frame) else "(none)"
+    md.write_text(f"{title}\n\n{table}\n")
+    frame.to_csv(csv_path, index=False)
+    return [md, csv_path]
+
+
+def _row(run, other, other_experiment: str, result: HistoryComparison) -> dict[str, object]:
+    return {
+        "run": run.info.run_name,
+        "config hash": run.data.tags[store.HASH_TAG],
+        "run id": run.info.run_id,
+        "git": run.data.tags.get("git_sha", "")[:10],
+        "earlier run": f"{other_experiment}: {other.info.run_id}",
+        "earlier git": other.data.tags.get("git_sha", "")[:10],
+        "metrics compared": result.compared,
+        "identical": result.identical,
+        "largest abs difference": result.largest_difference,
+        "first differing metric": result.first_different or "-",
+    }
