@@ -36,12 +36,14 @@ SURGE_RULE = SurgeRule()
 
 @dataclass(frozen=True)
 class Column:
-    """One table column: metric `key` of each run reduced over its steps by `reduce`."""
+    """One table column: metric `key` of each run reduced over its steps (or the logged steps first..last of
+    `steps`) by `reduce`."""
 
     label: str
     key: str
     reduce: str = "last"
     fmt: str = "{:.3f}"
+    steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.reduce not in (*REDUCTIONS, *SCHEDULE_SPLITS):
@@ -62,6 +64,11 @@ class RunData:
 
     def reduced(self, column: Column) -> float:
         """The column's metric over this run's steps, reduced (`reduce_values`, or a `SCHEDULE_SPLITS` part)."""
+        if column.steps is not None:
+            first, last = column.steps
+            return reduce_values(
+                [v for step, v in sorted(self.history.get(column.key, [])) if first <= step <= last], column.reduce
+            )
         if column.reduce not in SCHEDULE_SPLITS:
             return reduce_values(self.series(column.key), column.reduce)
         first = first_calibrated_step(self.params)

@@ -87,6 +87,13 @@ EXTRA_COLUMNS = {
         Column("junk tokens (rollout, mean)", "rollout/junk_token_rate", "mean", "{:.4f}"),
         Column("junk responses (rollout, mean)", "rollout/junk_response_rate", "mean", "{:.4f}"),
     ),
+    # the same steps for both schedules: 2-6 (at the standard bounds by default, calibrated with first_step=0)
+    # and 7-40 (calibrated in both)
+    "ablation_first_calibration": tuple(
+        Column(f"{label}, steps {first}-{last}", key, "mean", "{:.4f}", (first, last))
+        for label, key in (("clip/low_neg", "clip/low_neg"), ("lower bound", "clip/bound_low"))
+        for first, last in ((2, 6), (7, 40))
+    ),
 }
 
 

@@ -116,3 +116,11 @@ def test_a_run_splits_where_its_schedule_first_puts_calibrated_bounds_in_force(p
     columns = [Column(split, "clip/low_neg", split) for split in ("mean_initial_bounds", "mean_calibrated_bounds")]
     assert [run.reduced(c) for c in columns] == [before, after]
     assert all(math.isnan(RunData("r", "n", ("g",), {}, {}, run.history).reduced(c)) for c in columns)
+
+
+def test_a_column_can_reduce_a_window_of_steps() -> None:
+    from fp8rl.report.frames import RunData
+
+    run = RunData("r", "n", ("g",), {}, {}, {"clip/low_neg": [(step, float(step)) for step in range(1, 11)]})
+    assert run.reduced(Column("w", "clip/low_neg", "mean", steps=(2, 4))) == 3.0
+    assert run.reduced(Column("w", "clip/low_neg", "max", steps=(7, 40))) == 10.0
