@@ -88,11 +88,17 @@ EXTRA_COLUMNS = {
         Column("junk responses (rollout, mean)", "rollout/junk_response_rate", "mean", "{:.4f}"),
     ),
     # the same steps for both schedules: 2-6 (at the standard bounds by default, calibrated with first_step=0)
-    # and 7-40 (calibrated in both)
+    # and 7-40 (calibrated in both). A step logs the bound after its own calibration, in force from the next step,
+    # so the bound in force at steps a-b is the one logged at steps a-1 to b-1.
     "ablation_first_calibration": tuple(
-        Column(f"{label}, steps {first}-{last}", key, "mean", "{:.4f}", (first, last))
-        for label, key in (("clip/low_neg", "clip/low_neg"), ("lower bound", "clip/bound_low"))
+        column
         for first, last in ((2, 6), (7, 40))
+        for column in (
+            Column(f"clip/low_neg, steps {first}-{last}", "clip/low_neg", "mean", "{:.4f}", (first, last)),
+            Column(
+                f"lower bound in force, steps {first}-{last}", "clip/bound_low", "mean", "{:.4f}", (first - 1, last - 1)
+            ),
+        )
     ),
 }
 
