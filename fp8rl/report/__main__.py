@@ -127,8 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name)
     args = parser.parse_args(argv)
     args.out = args.out or Path("results") / args.scale
-    handlers = {"table": cmd_table, "reruns": cmd_reruns, "mechanism": cmd_mechanism, "figures": cmd_figures}
-    handler = {**handlers, "index": cmd_index}[args.what]
+    handler = {
+        "table": cmd_table,
+        "reruns": cmd_reruns,
+        "mechanism": cmd_mechanism,
+        "figures": cmd_figures,
+        "index": cmd_index,
+    }[args.what]
     for path in handler(args):
         print(f"wrote {path}")
     return 0

@@ -32,18 +32,19 @@ class Panel:
     title: str
     keys: tuple[str, ...]
     ylabel: str
-    nonnegative: bool = False  # a share or length: the seed band (mean +- sd) is cut at 0
+    limits: tuple[float, float] | None = None  # the values the metric can take (a share: 0-1): the band is cut there
 
 
+SHARE = (0.0, 1.0)
 CURVE_PANELS = (
-    Panel("rollout entropy", ("rollout/entropy",), "entropy (nats / token)", nonnegative=True),
+    Panel("rollout entropy", ("rollout/entropy",), "entropy (nats / token)", limits=(0.0, math.inf)),
     Panel("rollout reward", ("rollout/reward",), "mean reward (share correct)"),
-    Panel("held-out accuracy", ("eval/accuracy",), "accuracy (share correct)", nonnegative=True),
-    Panel("garbled rollouts", ("rollout/garbled_rate",), "garbled (share of rollouts)", nonnegative=True),
-    Panel("clipped negative tokens (clip/low_neg)", ("clip/low_neg",), "share of A < 0 tokens", nonnegative=True),
+    Panel("held-out accuracy", ("eval/accuracy",), "accuracy (share correct)", limits=SHARE),
+    Panel("garbled rollouts", ("rollout/garbled_rate",), "garbled (share of rollouts)", limits=SHARE),
+    Panel("clipped negative tokens (clip/low_neg)", ("clip/low_neg",), "share of A < 0 tokens", limits=SHARE),
     Panel("clip bounds: lower (< 1) and upper (> 1)", ("clip/bound_low", "clip/bound_high"), "bound (ratio)"),
     Panel("update balance p = contrib_pos / contrib_neg", ("clip/p",), "p (ratio)"),
-    Panel("response length", ("rollout/response_len",), "tokens", nonnegative=True),
+    Panel("response length", ("rollout/response_len",), "tokens", limits=(0.0, math.inf)),
 )
 METHOD_STYLE = {  # method -> (line style of the first key, legend name)
     "bf16": ("-", "BF16"),
@@ -107,11 +108,12 @@ def _draw_panel(ax: Any, panel: Panel, groups: dict, styles: dict[tuple, ArmStyl
                 continue
             drawn = True
             ax.plot(band["step"], band["mean"], linestyle=style.linestyle, color=style.color, linewidth=1.4)
-            spread = band["std"].fillna(0.0)
-            low = band["mean"] - spread
             if (band["count"] > 1).any():
-                low = low.clip(lower=0.0) if panel.nonnegative else low
-                ax.fill_between(band["step"], low, band["mean"] + spread, color=style.color, alpha=0.15, linewidth=0)
+                spread = band["std"].fillna(0.0)
+                low, high = band["mean"] - spread, band["mean"] + spread
+                if panel.limits is not None:
+                    low, high = low.clip(*panel.limits), high.clip(*panel.limits)
+                ax.fill_between(band["step"], low, high, color=style.color, alpha=0.15, linewidth=0)
     if not drawn:
         ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes, color="gray")
     ax.set_title(panel.title, fontsize=10)

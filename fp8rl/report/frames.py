@@ -25,9 +25,8 @@ from fp8rl.report.surge import SurgeRule, detect_surge
 from fp8rl.tracking import store
 
 REDUCTIONS = ("last", "last3", "mean", "sum", "max", "min", "surge_ratio", "surged")
-# Means over a part of the run, split where the run's calibration schedule (clipping.interval, .first_step) first
-# puts calibrated clip bounds in force; arms without calibration are split at the same step (a paired comparison).
-SCHEDULE_SPLITS = {"mean_initial_bounds": False, "mean_calibrated_bounds": True}
+# Means over a window of logged steps that each run's calibration schedule gives (`schedule_windows`).
+SCHEDULE_WINDOWS = ("mean_initial_bounds", "mean_calibrated_bounds", "mean_steps_2_to_k1", "mean_steps_from_k2")
 SEED_KEYS = ("trainer.seed", "sweep.trainer.seed", "seed")  # where a run's seed is found (param or tag)
 CONFIDENCE = 0.95
 FALLBACK_GROUP_BY = ("algo", "precision", "recipe", "clipping")
@@ -36,18 +35,21 @@ SURGE_RULE = SurgeRule()
 
 @dataclass(frozen=True)
 class Column:
-    """One table column: metric `key` of each run reduced over its steps (or the logged steps first..last of
-    `steps`) by `reduce`."""
+    """One table column: metric `key` of each run reduced over its steps by `reduce`, or its mean over a
+    `SCHEDULE_WINDOWS` window; ``lag`` = 1 reads each step's value from the step before (a clip bound a step logs
+    is the one in force from the next step on)."""
 
     label: str
     key: str
     reduce: str = "last"
     fmt: str = "{:.3f}"
-    steps: tuple[int, int] | None = None
+    lag: int = 0
 
     def __post_init__(self) -> None:
-        if self.reduce not in (*REDUCTIONS, *SCHEDULE_SPLITS):
-            raise ValueError(f"reduction {self.reduce!r}; valid: {[*REDUCTIONS, *SCHEDULE_SPLITS]}")
+        if self.reduce not in (*REDUCTIONS, *SCHEDULE_WINDOWS):
+            raise ValueError(f"reduction {self.reduce!r}; valid: {[*REDUCTIONS, *SCHEDULE_WINDOWS]}")
+        if self.lag and self.reduce not in SCHEDULE_WINDOWS:
+            raise ValueError(f"lag applies to the schedule windows {list(SCHEDULE_WINDOWS)}, not {self.reduce!r}")
 
 
 @dataclass
@@ -63,31 +65,36 @@ class RunData:
         return [v for _, v in sorted(self.history.get(key, []))]
 
     def reduced(self, column: Column) -> float:
-        """The column's metric over this run's steps, reduced (`reduce_values`, or a `SCHEDULE_SPLITS` part)."""
-        if column.steps is not None:
-            first, last = column.steps
-            return reduce_values(
-                [v for step, v in sorted(self.history.get(column.key, [])) if first <= step <= last], column.reduce
-            )
-        if column.reduce not in SCHEDULE_SPLITS:
+        """The column's metric over this run's steps, reduced (`reduce_values`, or a `SCHEDULE_WINDOWS` mean)."""
+        if column.reduce not in SCHEDULE_WINDOWS:
             return reduce_values(self.series(column.key), column.reduce)
-        first = first_calibrated_step(self.params)
-        if first is None:
+        windows = schedule_windows(self.params)
+        if windows is None:
             return math.nan
-        calibrated = SCHEDULE_SPLITS[column.reduce]
-        steps = sorted(self.history.get(column.key, []))
-        return reduce_values([v for step, v in steps if (step >= first) == calibrated], "mean")
+        first, last = windows[column.reduce]
+        values = [v for step, v in self.history.get(column.key, []) if first <= step + column.lag <= last]
+        return reduce_values(values, "mean")
 
 
-def first_calibrated_step(params: dict[str, str]) -> int | None:
-    """The first logged step (from 1) trained with calibrated clip bounds under a run's schedule, None without one.
+def schedule_windows(params: dict[str, str]) -> dict[str, tuple[float, float]] | None:
+    """The logged steps (from 1, inclusive) of each `SCHEDULE_WINDOWS` window of a run, None without a schedule.
 
-    The calibration on step index f (from 0: ``clipping.first_step``, else ``clipping.interval``) uses that
-    step's shadow after its update and is in force from the next step, index f + 1, logged as step f + 2."""
-    interval, first = params.get("clipping.interval"), params.get("clipping.first_step", "None")
-    if interval is None:
+    The first calibration uses the shadow of the step with index f (from 0: ``clipping.first_step``, else
+    ``clipping.interval`` = K), after that step's update, and is in force from the next step, so logged steps
+    1..f + 1 run at the initial bounds (``mean_initial_bounds``) and f + 2 on at calibrated ones
+    (``mean_calibrated_bounds``). ``mean_steps_2_to_k1`` / ``mean_steps_from_k2`` depend on K alone: the same
+    steps for every schedule with that K (the default schedule's initial steps but the first, and the rest)."""
+    if params.get("clipping.interval") is None:
         return None
-    return (int(interval) if first == "None" else int(first)) + 2
+    k = int(params["clipping.interval"])
+    first = params.get("clipping.first_step", "None")
+    f = k if first == "None" else int(first)
+    return {
+        "mean_initial_bounds": (1, f + 1),
+        "mean_calibrated_bounds": (f + 2, math.inf),
+        "mean_steps_2_to_k1": (2, k + 1),
+        "mean_steps_from_k2": (k + 2, math.inf),
+    }
 
 
 def lookup(run: Any, key: str) -> str:

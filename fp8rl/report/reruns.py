@@ -2,12 +2,14 @@
 
 A sweep skips the config hashes that finished in its own MLflow experiment only, so an experiment that shares
 arms with another (an ablation beside a table) runs them again. `write_reruns` pairs each finished run of the
-experiment with every finished run of the same config hash elsewhere in the store and compares each metric both
-logged, step by step. Timings, system and launch metrics are left out: they measure the machine, not the run.
+experiment with every finished run of the same config hash in the store's other experiments and compares each
+metric both logged, step by step (NaN equals NaN: a bit-identical history is identical). Timings, system and
+launch metrics are left out: they measure the machine, not the run.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +40,24 @@ def compare_histories(
     for key in keys:
         left, right = dict(a[key]), dict(b[key])
         shared = left.keys() & right.keys()
-        gap = max((abs(left[s] - right[s]) for s in shared), default=0.0)
+        gap = max((_gap(left[s], right[s]) for s in shared), default=0.0)
         largest = max(largest, gap)
-        if left == right:
+        if left.keys() == right.keys() and all(_same(left[s], right[s]) for s in left):
             identical += 1
         elif not first:
             first = key
     return HistoryComparison(len(keys), identical, largest, first)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _gap(a: float, b: float) -> float:
+    """|a - b|; 0 for two NaNs, infinite for a NaN against a number."""
+    if _same(a, b):
+        return 0.0
+    return math.inf if math.isnan(a) or math.isnan(b) else abs(a - b)
 
 
 def write_reruns(experiment: str, out_dir: Path, tracking_uri: str | None = None) -> list[Path]:
@@ -55,18 +68,15 @@ def write_reruns(experiment: str, out_dir: Path, tracking_uri: str | None = None
     exp_id = store.experiment_id(client, experiment, create=False)
     if exp_id is None:
         raise SystemExit(f"no MLflow experiment {experiment!r} in {store.display_uri(uri)}: run its sweep first")
-    others = [e.experiment_id for e in client.search_experiments() if e.experiment_id != exp_id]
+    others = {e.experiment_id: e.name for e in client.search_experiments() if e.experiment_id != exp_id}
     rows = []
-    for run in store.child_runs(client, exp_id):
-        config_hash = run.data.tags[store.HASH_TAG]
-        if run.info.status != "FINISHED" or not others:
-            continue
-        same_config = f"tags.`{store.HASH_TAG}` = '{config_hash}' and attributes.status = 'FINISHED'"
-        earlier = client.search_runs(others, same_config)
-        mine = store.metric_histories(client, run, run.data.metrics)
-        for other in earlier:
+    for run in (r for r in store.child_runs(client, exp_id) if r.info.status == "FINISHED"):
+        same_config = f"tags.`{store.HASH_TAG}` = '{run.data.tags[store.HASH_TAG]}' and attributes.status = 'FINISHED'"
+        matches = [other for other_id in others for other in store.search(client, other_id, same_config)]
+        mine = store.metric_histories(client, run, run.data.metrics) if matches else {}
+        for other in matches:
             result = compare_histories(mine, store.metric_histories(client, other, other.data.metrics))
-            rows.append(_row(run, other, client.get_experiment(other.info.experiment_id).name, result))
+            rows.append(_row(run, other, others[other.info.experiment_id], result))
     frame = pd.DataFrame(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     md, csv_path = out_dir / f"{experiment}.reruns.md", out_dir / f"{experiment}.reruns.csv"
@@ -87,8 +97,8 @@ def _row(run, other, other_experiment: str, result: HistoryComparison) -> dict[s
         "config hash": run.data.tags[store.HASH_TAG],
         "run id": run.info.run_id,
         "git": run.data.tags.get("git_sha", "")[:10],
-        "earlier run": f"{other_experiment}: {other.info.run_id}",
-        "earlier git": other.data.tags.get("git_sha", "")[:10],
+        "other run": f"{other_experiment}: {other.info.run_id}",
+        "other git": other.data.tags.get("git_sha", "")[:10],
         "metrics compared": result.compared,
         "identical": result.identical,
         "largest abs difference": result.largest_difference,

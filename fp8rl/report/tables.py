@@ -25,7 +25,7 @@ import pandas as pd
 
 from fp8rl.report.frames import (
     CONFIDENCE,
-    SCHEDULE_SPLITS,
+    SCHEDULE_WINDOWS,
     Column,
     RunData,
     cells,
@@ -35,6 +35,7 @@ from fp8rl.report.frames import (
     paired_cells,
     paired_differences,
     runs_frame,
+    schedule_windows,
 )
 from fp8rl.report.paper import PAPER_METRIC, PAPER_SCORES
 from fp8rl.report.surge import SurgeRule
@@ -70,16 +71,20 @@ PAIRED_LABELS = (
     "acc, BF16 eval (last 3)",
     "clip/low_neg (mean)",
     "clip/low_neg after 1st calibration",
+    "clip/low_neg, steps K + 2 on",
     "garbled (rollout, mean)",
     "reward (mean)",
     "surge ratio",
 )
 REFERENCE_ARM = "bf16"
-SPLIT_NOTE = (
+WINDOW_NOTE = (
     "`before / after 1st calibration`: the mean over the steps that ran at the initial clip bounds under the run's "
     "calibration schedule and over the steps after them. The first calibration uses the shadow of the step with "
-    "index f (from 0: `clipping.first_step`, else `clipping.interval`) and is in force from the next one, so logged "
-    "steps 1 to f + 1 are before it; arms without Calibrated Clipping are split at the same step."
+    "index f (from 0: `clipping.first_step`, else K = `clipping.interval`) and is in force from the next one, so "
+    "logged steps 1 to f + 1 are before it; every run is split by its own schedule's fields (arms without Calibrated "
+    "Clipping have them too), and a paired difference is left out (`-`) where the two runs' windows differ. "
+    "`steps 2 to K + 1` / `steps K + 2 on` depend on K alone. A bound `in force` at a step is the one the step "
+    "before logged."
 )
 # Columns a table adds to TABLE_COLUMNS: the collapse study's junk rates (its task's own metric)
 EXTRA_COLUMNS = {
@@ -87,17 +92,14 @@ EXTRA_COLUMNS = {
         Column("junk tokens (rollout, mean)", "rollout/junk_token_rate", "mean", "{:.4f}"),
         Column("junk responses (rollout, mean)", "rollout/junk_response_rate", "mean", "{:.4f}"),
     ),
-    # the same steps for both schedules: 2-6 (at the standard bounds by default, calibrated with first_step=0)
-    # and 7-40 (calibrated in both). A step logs the bound after its own calibration, in force from the next step,
-    # so the bound in force at steps a-b is the one logged at steps a-1 to b-1.
+    # the same steps for both schedules: 2 to K + 1 (at the standard bounds by default, calibrated with
+    # first_step=0) and K + 2 on (calibrated in both)
     "ablation_first_calibration": tuple(
         column
-        for first, last in ((2, 6), (7, 40))
+        for window, steps in (("mean_steps_2_to_k1", "steps 2 to K + 1"), ("mean_steps_from_k2", "steps K + 2 on"))
         for column in (
-            Column(f"clip/low_neg, steps {first}-{last}", "clip/low_neg", "mean", "{:.4f}", (first, last)),
-            Column(
-                f"lower bound in force, steps {first}-{last}", "clip/bound_low", "mean", "{:.4f}", (first - 1, last - 1)
-            ),
+            Column(f"clip/low_neg, {steps}", "clip/low_neg", window, "{:.4f}"),
+            Column(f"lower bound in force, {steps}", "clip/bound_low", window, "{:.4f}", lag=1),
         )
     ),
 }
@@ -165,8 +167,8 @@ def write_table(
     if base in PAPER_SCORES:
         display["paper"] = _paper_column(base, [tuple(row) for row in table[names].astype(str).values.tolist()])
     lines.append(display.to_markdown(index=False))
-    if any(c.reduce in SCHEDULE_SPLITS for c in columns):
-        lines += ["", SPLIT_NOTE]
+    if any(c.reduce in SCHEDULE_WINDOWS for c in columns):
+        lines += ["", WINDOW_NOTE]
     if base in PAPER_SCORES:
         lines += [
             "",
@@ -174,7 +176,7 @@ def write_table(
             "value to our task accuracy: compare orderings and gaps to BF16).",
         ]
     out_dir.mkdir(parents=True, exist_ok=True)
-    paired = _paired_section(per_run, names, columns)
+    paired = _paired_section(per_run, names, columns, run_data)
     if paired is not None:
         lines += ["", *paired[0]]
         paired[1].to_csv(out_dir / f"{stem}.paired.csv", index=False)
@@ -189,12 +191,13 @@ def write_table(
     return [md, csv_grouped, csv_runs, configs, *([out_dir / f"{stem}.paired.csv"] if paired is not None else [])]
 
 
-def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[Column]):
+def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[Column], run_data: list[RunData]):
     """(markdown lines, frame) of the per-seed differences against the BF16 arm, or None without one."""
     if len(names) != 1 or REFERENCE_ARM not in set(per_run[names[0]]):
         return None
     labels = [c.label for c in columns if c.label in PAIRED_LABELS]
-    paired = paired_differences(per_run, names[0], REFERENCE_ARM, labels)
+    comparable = _unpaired_windows_left_out(per_run, names[0], columns, run_data)
+    paired = paired_differences(comparable, names[0], REFERENCE_ARM, labels)
     display = paired_cells(paired, names[0], [c for c in columns if c.label in labels])
     text = [
         f"Per-seed paired differences against `{REFERENCE_ARM}` (same seed): mean [{CONFIDENCE:.0%} t-interval over "
@@ -203,6 +206,21 @@ def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[C
         display.to_markdown(index=False),
     ]
     return text, paired
+
+
+def _unpaired_windows_left_out(
+    per_run: pd.DataFrame, arm: str, columns: Sequence[Column], run_data: list[RunData]
+) -> pd.DataFrame:
+    """`per_run` with a window column set to NaN in each run whose window of steps differs from the same-seed
+    reference run's (two schedules: not a paired comparison)."""
+    windows = {run.run_id: schedule_windows(run.params) or {} for run in run_data}
+    frame = per_run.copy()
+    reference = frame[frame[arm] == REFERENCE_ARM].drop_duplicates("seed").set_index("seed")["run_id"]
+    for column in (c for c in columns if c.reduce in SCHEDULE_WINDOWS):
+        own = [windows[run_id].get(column.reduce) for run_id in frame["run_id"]]
+        ref = [windows.get(reference.get(seed), {}).get(column.reduce) for seed in frame["seed"]]
+        frame.loc[[a != b for a, b in zip(own, ref, strict=True)], column.label] = math.nan
+    return frame
 
 
 def _without_local_paths(value: Any) -> Any:

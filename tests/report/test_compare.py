@@ -113,14 +113,20 @@ def test_a_run_splits_where_its_schedule_first_puts_calibrated_bounds_in_force(p
     from fp8rl.report.frames import RunData
 
     run = RunData("r", "n", ("g",), {}, params, {"clip/low_neg": [(step, float(step)) for step in range(1, 11)]})
-    columns = [Column(split, "clip/low_neg", split) for split in ("mean_initial_bounds", "mean_calibrated_bounds")]
+    columns = [Column(window, "clip/low_neg", window) for window in ("mean_initial_bounds", "mean_calibrated_bounds")]
     assert [run.reduced(c) for c in columns] == [before, after]
     assert all(math.isnan(RunData("r", "n", ("g",), {}, {}, run.history).reduced(c)) for c in columns)
 
 
-def test_a_column_can_reduce_a_window_of_steps() -> None:
+@pytest.mark.parametrize("first_step", ["None", "0"])
+def test_the_k_windows_are_the_same_steps_for_every_schedule_and_a_lag_reads_the_step_before(first_step) -> None:
     from fp8rl.report.frames import RunData
 
-    run = RunData("r", "n", ("g",), {}, {}, {"clip/low_neg": [(step, float(step)) for step in range(1, 11)]})
-    assert run.reduced(Column("w", "clip/low_neg", "mean", steps=(2, 4))) == 3.0
-    assert run.reduced(Column("w", "clip/low_neg", "max", steps=(7, 40))) == 10.0
+    params = {"clipping.interval": "3", "clipping.first_step": first_step}
+    run = RunData("r", "n", ("g",), {}, params, {"clip/bound_low": [(step, float(step)) for step in range(1, 11)]})
+    early, late = (Column(w, "clip/bound_low", w) for w in ("mean_steps_2_to_k1", "mean_steps_from_k2"))
+    assert (run.reduced(early), run.reduced(late)) == (3.0, 7.5)  # steps 2-4 and 5-10
+    lagged = Column("in force", "clip/bound_low", "mean_steps_2_to_k1", lag=1)
+    assert run.reduced(lagged) == 2.0  # the values logged at steps 1-3
+    with pytest.raises(ValueError, match="lag"):
+        Column("x", "clip/bound_low", "mean", lag=1)

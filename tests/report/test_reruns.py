@@ -1,4 +1,4 @@
-"""Re-runs of a config hash compared with the earlier run (fp8rl.report.reruns)."""
+"""Re-runs of a config hash compared with the runs of the same hash in other experiments (fp8rl.report.reruns)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _run(client, experiment: str, config_hash: str, accuracy: float, status: str
     return run_id
 
 
-def test_each_rerun_is_paired_with_the_earlier_runs_of_its_config_hash(sqlite_uri: str, tmp_path: Path) -> None:
+def test_each_rerun_is_paired_with_the_other_runs_of_its_config_hash(sqlite_uri: str, tmp_path: Path) -> None:
     client = store.client(sqlite_uri)
     _run(client, "table", "same", 0.5)
     _run(client, "table", "drifted", 0.5)
@@ -39,7 +39,12 @@ def test_each_rerun_is_paired_with_the_earlier_runs_of_its_config_hash(sqlite_ur
         _run(client, "ablation", config_hash, accuracy)
     md, csv_path = write_reruns("ablation", tmp_path, tracking_uri=sqlite_uri)
     rows = {row["config hash"]: row for row in csv.DictReader(csv_path.open())}
-    assert set(rows) == {"same", "drifted"}  # no finished earlier run of "failed" or "new"
+    assert set(rows) == {"same", "drifted"}  # no finished run of "failed" or "new" elsewhere
     assert (rows["same"]["identical"], rows["drifted"]["identical"]) == ("1", "0")
     assert rows["drifted"]["first differing metric"] == "eval/accuracy"
     assert "2 pair(s)" in md.read_text()
+
+
+def test_a_nan_in_both_histories_is_identical() -> None:
+    nan = float("nan")
+    assert compare_histories({"clip/p": [(1, nan)]}, {"clip/p": [(1, nan)]}).identical == 1

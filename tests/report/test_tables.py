@@ -139,3 +139,25 @@ def test_wilson_interval_of_a_clip_fraction() -> None:
     low, high = tables.wilson_interval(0.5, 100)
     assert (low, high) == (pytest.approx(0.4038, abs=1e-4), pytest.approx(0.5962, abs=1e-4))
     assert all(v != v for v in tables.wilson_interval(0.1, 0))  # no trials: NaN
+
+
+def test_a_window_is_paired_only_where_both_runs_have_the_same_steps() -> None:
+    import math
+
+    import pandas as pd
+
+    from fp8rl.report.frames import Column, RunData
+
+    schedules = {"bf16": "None", "cc": "None", "cc_first0": "0"}
+    run_data = [
+        RunData(arm, arm, (arm,), {}, {"clipping.interval": "5", "clipping.first_step": first}, {})
+        for arm, first in schedules.items()
+    ]
+    columns = [
+        Column("after", "clip/low_neg", "mean_calibrated_bounds"),
+        Column("late", "clip/low_neg", "mean_steps_from_k2"),
+    ]
+    per_run = pd.DataFrame({"run_id": list(schedules), "seed": "0", "arm": list(schedules), "after": 1.0, "late": 1.0})
+    kept = tables._unpaired_windows_left_out(per_run, "arm", columns, run_data).set_index("arm")
+    assert math.isnan(kept.at["cc_first0", "after"])  # steps 2-40 against BF16's 7-40: not a pair
+    assert kept.at["cc", "after"] == 1.0 and (kept["late"] == 1.0).all()  # the same steps
