@@ -22,12 +22,13 @@ COMPARE_ARGS ?=
 # (paper: K = 10/20/40 steps of a long run; tiny runs are 40 steps with K = 5, so K scales to 2/5/10).
 comma := ,
 SEEDS ?= 0,1,2
+ENDPOINT_SEEDS ?= 3,4,5,6,7,8,9
 RESULTS ?= results/$(SCALE)
 RECAL_K ?= $(if $(filter paper,$(SCALE)),10$(comma)20$(comma)40,2$(comma)5$(comma)10)
 REPRO_SWEEP = $(VENV)/bin/fp8rl sweep --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(SWEEP_ARGS)
 REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 
-.PHONY: setup test test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
+.PHONY: setup test test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
 
 setup: $(STAMP)
 
@@ -151,7 +152,12 @@ collapse: collapse-pilot collapse-control
 	for seed in $(subst $(comma), ,$(SEEDS)); do $(COLLAPSE) trainer.seed=$$seed || exit 1; done; \
 	$(REPORT) table collapse && $(COLLAPSE_REPORT) verdict
 
-reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures
+# Issue 18's endpoint (CC within 1.5x of BF16's clip/low_neg) with 10 seeds: seeds 3-9 for BF16 and the CC arms
+cc-endpoint: setup
+	$(REPRO_SWEEP) grpo_granularity trainer.seed=$(ENDPOINT_SEEDS) +experiment/arm=bf16,cc_tensorwise,cc_rowwise,cc_blockwise
+	$(REPORT) table grpo_granularity
+
+reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo $(if $(filter tiny,$(SCALE)),cc-endpoint) table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures
 	$(REPORT) index
 
 # The GPU path's one prepared check (a GPU host with the `gpu` extra): tests + timed ratios into results/gpu/.
