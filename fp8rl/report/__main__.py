@@ -119,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: results/<scale>")
     parser.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or ./mlflow.db")
     sub = parser.add_subparsers(dest="what", required=True)
-    table = sub.add_parser("table", help="paper tables of sweep experiments")
-    table.add_argument("experiments", nargs="+", choices=TABLE_EXPERIMENTS)
-    repeated = sub.add_parser("reruns", help="did the runs of a sweep that repeat another's config hashes reproduce")
-    repeated.add_argument("experiments", nargs="+", choices=TABLE_EXPERIMENTS)
+    for name, text in (
+        ("table", "paper tables of sweep experiments"),
+        ("reruns", "did the runs of a sweep that repeat another's config hashes reproduce"),
+    ):
+        sub.add_parser(name, help=text).add_argument("experiments", nargs="+", choices=TABLE_EXPERIMENTS)
     for name in ("mechanism", "figures", "index"):
         sub.add_parser(name)
     args = parser.parse_args(argv)

@@ -35,16 +35,16 @@ class Panel:
     limits: tuple[float, float] | None = None  # the values the metric can take (a share: 0-1): the band is cut there
 
 
-SHARE = (0.0, 1.0)
+SHARE, NONNEGATIVE = (0.0, 1.0), (0.0, math.inf)
 CURVE_PANELS = (
-    Panel("rollout entropy", ("rollout/entropy",), "entropy (nats / token)", limits=(0.0, math.inf)),
+    Panel("rollout entropy", ("rollout/entropy",), "entropy (nats / token)", limits=NONNEGATIVE),
     Panel("rollout reward", ("rollout/reward",), "mean reward (share correct)"),
     Panel("held-out accuracy", ("eval/accuracy",), "accuracy (share correct)", limits=SHARE),
     Panel("garbled rollouts", ("rollout/garbled_rate",), "garbled (share of rollouts)", limits=SHARE),
     Panel("clipped negative tokens (clip/low_neg)", ("clip/low_neg",), "share of A < 0 tokens", limits=SHARE),
     Panel("clip bounds: lower (< 1) and upper (> 1)", ("clip/bound_low", "clip/bound_high"), "bound (ratio)"),
     Panel("update balance p = contrib_pos / contrib_neg", ("clip/p",), "p (ratio)"),
-    Panel("response length", ("rollout/response_len",), "tokens", limits=(0.0, math.inf)),
+    Panel("response length", ("rollout/response_len",), "tokens", limits=NONNEGATIVE),
 )
 METHOD_STYLE = {  # method -> (line style of the first key, legend name)
     "bf16": ("-", "BF16"),

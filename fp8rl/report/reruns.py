@@ -39,10 +39,9 @@ def compare_histories(
     identical, largest, first = 0, 0.0, ""
     for key in keys:
         left, right = dict(a[key]), dict(b[key])
-        shared = left.keys() & right.keys()
-        gap = max((_gap(left[s], right[s]) for s in shared), default=0.0)
+        gap = max((_gap(left[s], right[s]) for s in left.keys() & right.keys()), default=0.0)
         largest = max(largest, gap)
-        if left.keys() == right.keys() and all(_same(left[s], right[s]) for s in left):
+        if left.keys() == right.keys() and gap == 0.0:  # _gap is 0 exactly where two values are the same
             identical += 1
         elif not first:
             first = key
@@ -72,7 +71,7 @@ def write_reruns(experiment: str, out_dir: Path, tracking_uri: str | None = None
     rows = []
     for run in (r for r in store.child_runs(client, exp_id) if r.info.status == "FINISHED"):
         same_config = f"tags.`{store.HASH_TAG}` = '{run.data.tags[store.HASH_TAG]}' and attributes.status = 'FINISHED'"
-        matches = [other for other_id in others for other in store.search(client, other_id, same_config)]
+        matches = store.search(client, list(others), same_config) if others else []
         mine = store.metric_histories(client, run, run.data.metrics) if matches else {}
         for other in matches:
             result = compare_histories(mine, store.metric_histories(client, other, other.data.metrics))

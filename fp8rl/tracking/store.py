@@ -52,12 +52,13 @@ def experiment_id(mlflow_client: Any, name: str, create: bool) -> str | None:
     return mlflow_client.create_experiment(name) if create else None
 
 
-def search(mlflow_client: Any, exp_id: str, filter_string: str = "") -> list[Any]:
-    """All runs of an experiment matching `filter_string` (every page), newest first."""
+def search(mlflow_client: Any, exp_id: str | list[str], filter_string: str = "") -> list[Any]:
+    """All runs of an experiment (or of a list of experiments) matching `filter_string` (every page), newest
+    first."""
     runs, token = [], None
     while True:
         page = mlflow_client.search_runs(
-            [exp_id],
+            [exp_id] if isinstance(exp_id, str) else exp_id,
             filter_string=filter_string,
             max_results=1000,
             order_by=["attributes.start_time DESC"],
