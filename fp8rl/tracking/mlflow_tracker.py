@@ -137,6 +137,42 @@ class RunSpec:
     system_metrics: bool = True
 
 
+def ensure_experiment(client: Any, name: str) -> str:
+    """The id of experiment `name`, created if missing. The jobs of a sweep start together: when another
+    one created it between our lookup and our create, MLflow answers RESOURCE_ALREADY_EXISTS and we take
+    theirs."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException as err:
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        log.info("experiment %r was created by another job at the same time (%s)", name, err.error_code)
+        return found.experiment_id
+
+
+def ensure_experiment_tag(client: Any, experiment_id: str, key: str, value: str) -> None:
+    """Set an experiment tag unless it already holds `value`. MLflow's SQL store sets a tag by a read then
+    an insert, so two jobs tagging at once can collide on the unique key (seen on a sqlite-backed server:
+    `UNIQUE constraint failed: experiment_tags.key`); the loser reads the tag back and accepts the winner's
+    write when it is the same value."""
+    from mlflow.exceptions import MlflowException
+
+    if client.get_experiment(experiment_id).tags.get(key) == value:
+        return
+    try:
+        client.set_experiment_tag(experiment_id, key, value)
+    except MlflowException:
+        if client.get_experiment(experiment_id).tags.get(key) != value:
+            raise
+        log.info("experiment tag %s was set by another job at the same time", key)
+
+
 class MlflowTracker:
     """One MLflow run (module docstring). ``out_dir`` holds the WAL."""
 
@@ -268,9 +304,8 @@ class MlflowTracker:
         from mlflow.tracking.context.registry import resolve_tags
 
         spec, client = self.spec, self._client
-        experiment = client.get_experiment_by_name(spec.experiment)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(spec.experiment)
-        client.set_experiment_tag(experiment_id, "mlflow.experimentKind", EXPERIMENT_KIND)
+        experiment_id = ensure_experiment(client, spec.experiment)
+        ensure_experiment_tag(client, experiment_id, "mlflow.experimentKind", EXPERIMENT_KIND)
         tags = {**spec.tags, "mlflow.runName": spec.run_name, "mlflow.note.content": spec.description}
         if spec.parent_run_id:
             tags["mlflow.parentRunId"] = spec.parent_run_id

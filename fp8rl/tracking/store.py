@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fp8rl.tracking.mlflow_tracker import resolve_tracking_uri
+from fp8rl.tracking.mlflow_tracker import ensure_experiment, resolve_tracking_uri
 
 HASH_TAG = "fp8rl.config_hash"
 SWEEP_TAG = "fp8rl.sweep"
@@ -49,7 +49,7 @@ def experiment_id(mlflow_client: Any, name: str, create: bool) -> str | None:
         if found.lifecycle_stage == "deleted":
             mlflow_client.restore_experiment(found.experiment_id)
         return found.experiment_id
-    return mlflow_client.create_experiment(name) if create else None
+    return ensure_experiment(mlflow_client, name) if create else None
 
 
 def search(mlflow_client: Any, exp_id: str | list[str], filter_string: str = "") -> list[Any]:

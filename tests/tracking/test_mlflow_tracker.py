@@ -96,3 +96,61 @@ def test_redaction_and_metric_names() -> None:
     assert redact("postgresql://u:p@db:5432/x and https://token@h") == "postgresql://***@db:5432/x and https://***@h"
     assert redact("sqlite:///mlflow.db") == "sqlite:///mlflow.db"
     assert metric_name("eval/aime24/avg@32") == "eval/aime24/avg_32"
+
+
+class _LosesTheRace:
+    """A client that, like a job of a sweep started at the same moment as another, finds the experiment
+    missing and its tag unset, and then collides with the other job's write, as MLflow's SQL store does."""
+
+    def __init__(self, uri: str, other_value: str = "finetuning") -> None:
+        self.real, self.other_value, self.looked_up = MlflowClient(uri), other_value, False
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def get_experiment_by_name(self, name: str):
+        if not self.looked_up:
+            self.looked_up = True
+            return None  # the other job creates it just after this lookup
+        return self.real.get_experiment_by_name(name)
+
+    def create_experiment(self, name: str) -> str:
+        self.real.create_experiment(name)  # the other job's create ...
+        return self.real.create_experiment(name)  # ... and ours: RESOURCE_ALREADY_EXISTS
+
+    def set_experiment_tag(self, experiment_id: str, key: str, value: str) -> None:
+        from mlflow.exceptions import MlflowException
+
+        self.real.set_experiment_tag(experiment_id, key, self.other_value)  # the other job's write
+        raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: experiment_tags.key")
+
+
+def test_jobs_that_create_and_tag_the_experiment_at_once_share_it(sqlite_uri: str) -> None:
+    from fp8rl.tracking.mlflow_tracker import ensure_experiment, ensure_experiment_tag
+
+    racing = _LosesTheRace(sqlite_uri)
+    exp_id = ensure_experiment(racing, "unit")
+    assert exp_id == MlflowClient(sqlite_uri).get_experiment_by_name("unit").experiment_id
+    ensure_experiment_tag(racing, exp_id, "mlflow.experimentKind", "finetuning")
+    assert MlflowClient(sqlite_uri).get_experiment(exp_id).tags["mlflow.experimentKind"] == "finetuning"
+
+
+def test_a_collision_that_leaves_another_tag_value_is_raised(sqlite_uri: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    from fp8rl.tracking.mlflow_tracker import ensure_experiment, ensure_experiment_tag
+
+    racing = _LosesTheRace(sqlite_uri, other_value="genai")
+    exp_id = ensure_experiment(racing, "unit")
+    with pytest.raises(MlflowException, match="UNIQUE constraint"):
+        ensure_experiment_tag(racing, exp_id, "mlflow.experimentKind", "finetuning")
+
+
+def test_a_tag_already_in_place_is_not_written_again(sqlite_uri: str) -> None:
+    from fp8rl.tracking.mlflow_tracker import ensure_experiment_tag
+
+    real = MlflowClient(sqlite_uri)
+    exp_id = real.create_experiment("unit")
+    real.set_experiment_tag(exp_id, "mlflow.experimentKind", "finetuning")
+    racing = _LosesTheRace(sqlite_uri)  # any write would raise
+    ensure_experiment_tag(racing, exp_id, "mlflow.experimentKind", "finetuning")
