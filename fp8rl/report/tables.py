@@ -3,7 +3,9 @@
 A table experiment's runs are grouped by the sweep's axes (seeds left out); each column reduces one
 metric's per-step history of a run (last / mean of the last 3 evaluations / mean / sum / max, or the
 entropy-surge detector), and a cell shows mean ± std over the group's runs. Where the sweep has a BF16 arm, a
-second table gives each arm's per-seed paired differences against it with 95% t-intervals over the seeds.
+second table gives each arm's per-seed paired differences against it with 95% t-intervals over the seeds; where
+it has Calibrated Clipping arms and vanilla FP8 arms of the same precision, a third gives each CC arm's
+differences against its vanilla counterpart and the share of vanilla's excess clipping over BF16 it removes.
 Written per table: ``<name>.md`` (with the paper's numbers beside ours where the paper reports the row),
 ``<name>.csv`` (grouped), ``<name>.paired.csv`` (the paired differences), ``<name>.runs.csv`` (one row per
 run with its MLflow run id, git SHA and seed) and ``<name>.runs.json`` (each run's resolved config and
@@ -77,6 +79,19 @@ PAIRED_LABELS = (
     "surge ratio",
 )
 REFERENCE_ARM = "bf16"
+CALIBRATED = "calibrated"  # clipping.policy of a Calibrated Clipping arm
+AGAINST_BF16 = (
+    f"Per-seed paired differences against `{REFERENCE_ARM}` (same seed): mean [{CONFIDENCE:.0%} t-interval over the n "
+    "seeds]; an interval that excludes 0 is a difference at that level, one that includes it is not."
+)
+AGAINST_VANILLA = (
+    "Per-seed paired differences of each Calibrated Clipping arm against the vanilla FP8 arm with the same precision "
+    f"settings (`against`, same seed; mean [{CONFIDENCE:.0%} t-interval]). `excess removed`: the share of the vanilla "
+    f"arm's excess `clip/low_neg` over `{REFERENCE_ARM}`'s that Calibrated Clipping removes, 1 - (CC - BF16) / "
+    "(vanilla - BF16), from the means over the seeds all three arms have."
+)
+# the columns whose excess over BF16 the comparison with vanilla FP8 reports as a share removed
+EXCESS_LABELS = ("clip/low_neg (mean)", "clip/low_neg after 1st calibration")
 WINDOW_NOTE = (
     "`before / after 1st calibration`: the mean over the steps that ran at the initial clip bounds under the run's "
     "calibration schedule and over the steps after them. The first calibration uses the shadow of the step with "
@@ -192,33 +207,97 @@ def write_table(
 
 
 def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[Column], run_data: list[RunData]):
-    """(markdown lines, frame) of the per-seed differences against the BF16 arm, or None without one."""
-    if len(names) != 1 or REFERENCE_ARM not in set(per_run[names[0]]):
+    """(markdown lines, frame) of the per-seed differences of each arm against BF16 and of each Calibrated
+    Clipping arm against its vanilla FP8 counterpart (`vanilla_counterparts`), or None without either."""
+    if len(names) != 1:
         return None
-    labels = [c.label for c in columns if c.label in PAIRED_LABELS]
-    comparable = _unpaired_windows_left_out(per_run, names[0], columns, run_data)
-    paired = paired_differences(comparable, names[0], REFERENCE_ARM, labels)
-    display = paired_cells(paired, names[0], [c for c in columns if c.label in labels])
-    text = [
-        f"Per-seed paired differences against `{REFERENCE_ARM}` (same seed): mean [{CONFIDENCE:.0%} t-interval over "
-        "the n seeds]; an interval that excludes 0 is a difference at that level, one that includes it is not.",
-        "",
-        display.to_markdown(index=False),
-    ]
-    return text, paired
+    arm, labels = names[0], [c.label for c in columns if c.label in PAIRED_LABELS]
+    shown = [c for c in columns if c.label in labels]
+    arms = list(dict.fromkeys(per_run[arm]))
+    against_bf16 = {a: REFERENCE_ARM for a in arms if a != REFERENCE_ARM} if REFERENCE_ARM in arms else {}
+    against_vanilla = vanilla_counterparts(run_data)
+    if not against_bf16 and not against_vanilla:
+        return None
+    text, frames = [], []
+    for pairs, title in ((against_bf16, AGAINST_BF16), (against_vanilla, AGAINST_VANILLA)):
+        if not pairs:
+            continue
+        paired = _paired_against(per_run, arm, pairs, labels, columns, run_data)
+        display = paired_cells(paired, arm, shown)
+        display.insert(1, "against", [pairs[a] for a in display[arm]])
+        if pairs is against_vanilla:
+            display = display.merge(_excess_removed(per_run, arm, pairs), on=arm, how="left")
+        text += ["", title, "", display.to_markdown(index=False)]
+        frames.append(paired)
+    return text[1:], pd.concat(frames, ignore_index=True)
+
+
+def vanilla_counterparts(run_data: Sequence[RunData]) -> dict[str, str]:
+    """Each Calibrated Clipping arm (``clipping.policy=calibrated``) -> the one arm of the table without it whose
+    runs have the same ``precision.*`` settings (vanilla FP8 of the same recipe); arms with no such arm, or more
+    than one, are left out."""
+    policy, precision = {}, {}
+    for run in run_data:
+        name = run.group[0] if len(run.group) == 1 else None
+        policy[name] = run.params.get("clipping.policy")
+        precision[name] = tuple(sorted((k, v) for k, v in run.params.items() if k.startswith("precision.")))
+    pairs = {}
+    for name in (n for n in policy if n is not None and policy[n] == CALIBRATED):
+        matches = [n for n in policy if n is not None and policy[n] != CALIBRATED and precision[n] == precision[name]]
+        if len(matches) == 1:
+            pairs[name] = matches[0]
+    return pairs
+
+
+def _paired_against(
+    per_run: pd.DataFrame,
+    arm: str,
+    pairs: dict[str, str],
+    labels: Sequence[str],
+    columns: Sequence[Column],
+    run_data: list[RunData],
+) -> pd.DataFrame:
+    """`paired_differences` of each arm against its own reference arm (`pairs`), with a ``against`` column."""
+    frames = []
+    for name, reference in pairs.items():
+        both = per_run[per_run[arm].isin([name, reference])]
+        comparable = _unpaired_windows_left_out(both, arm, columns, run_data, reference)
+        frames.append(paired_differences(comparable, arm, reference, labels).assign(against=reference))
+    paired = pd.concat(frames, ignore_index=True)
+    return paired[[arm, "against", *(c for c in paired.columns if c not in (arm, "against"))]]
+
+
+def _excess_removed(per_run: pd.DataFrame, arm: str, pairs: dict[str, str]) -> pd.DataFrame:
+    """Per Calibrated Clipping arm: 1 - (CC - BF16) / (vanilla - BF16) of each `EXCESS_LABELS` column, from the
+    means over the seeds the three arms share (empty without a BF16 arm)."""
+    rows = []
+    for name, vanilla in pairs.items():
+        seeds = [set(per_run.loc[per_run[arm] == a, "seed"]) for a in (name, vanilla, REFERENCE_ARM)]
+        shared = per_run[per_run["seed"].isin(set.intersection(*seeds))]
+        labels = [label for label in EXCESS_LABELS if label in per_run.columns]
+        means = shared.groupby(arm)[labels].mean()
+        row = {arm: name}
+        for label in labels:
+            if REFERENCE_ARM not in means.index:
+                continue
+            cc, van, ref = (means.at[a, label] for a in (name, vanilla, REFERENCE_ARM))
+            removed = 1 - (cc - ref) / (van - ref) if van != ref else math.nan
+            row[f"excess removed, {label}"] = "-" if pd.isna(removed) else f"{removed:.0%}"
+        rows.append(row)
+    return pd.DataFrame(rows, columns=[arm, *(f"excess removed, {label}" for label in EXCESS_LABELS)])
 
 
 def _unpaired_windows_left_out(
-    per_run: pd.DataFrame, arm: str, columns: Sequence[Column], run_data: list[RunData]
+    per_run: pd.DataFrame, arm: str, columns: Sequence[Column], run_data: list[RunData], reference: str = REFERENCE_ARM
 ) -> pd.DataFrame:
     """`per_run` with a window column set to NaN in each run whose window of steps differs from the same-seed
-    reference run's (two schedules: not a paired comparison)."""
+    `reference` run's (two schedules: not a paired comparison)."""
     windows = {run.run_id: schedule_windows(run.params) or {} for run in run_data}
     frame = per_run.copy()
-    reference = frame[frame[arm] == REFERENCE_ARM].drop_duplicates("seed").set_index("seed")["run_id"]
+    ref_runs = frame[frame[arm] == reference].drop_duplicates("seed").set_index("seed")["run_id"]
     for column in (c for c in columns if c.reduce in SCHEDULE_WINDOWS):
         own = [windows[run_id].get(column.reduce) for run_id in frame["run_id"]]
-        ref = [windows.get(reference.get(seed), {}).get(column.reduce) for seed in frame["seed"]]
+        ref = [windows.get(ref_runs.get(seed), {}).get(column.reduce) for seed in frame["seed"]]
         frame.loc[[a != b for a, b in zip(own, ref, strict=True)], column.label] = math.nan
     return frame
 

@@ -105,7 +105,7 @@ def test_paired_differences_against_bf16_with_t_intervals(store: str, tmp_path: 
     low_neg = paired["clip/low_neg (mean)"]  # identical per seed in both arms: a zero-width interval at 0
     assert float(low_neg["mean"]) == 0 and float(low_neg["ci_low"]) == float(low_neg["ci_high"]) == 0
     md = (tmp_path / "grpo_granularity-tiny.md").read_text()
-    assert "| fp8_tensorwise |   3 | -0.110 [-0.135, -0.085]" in md
+    assert "| fp8_tensorwise | bf16      |   3 | -0.110 [-0.135, -0.085]" in md
 
 
 def test_cli_index_lists_files_and_run_ids(store: str, tmp_path: Path) -> None:
@@ -161,3 +161,44 @@ def test_a_window_is_paired_only_where_both_runs_have_the_same_steps() -> None:
     kept = tables._unpaired_windows_left_out(per_run, "arm", columns, run_data).set_index("arm")
     assert math.isnan(kept.at["cc_first0", "after"])  # steps 2-40 against BF16's 7-40: not a pair
     assert kept.at["cc", "after"] == 1.0 and (kept["late"] == 1.0).all()  # the same steps
+
+
+def _arm_run(client, exp_id: str, parent: str, arm: str, seed: int, low_neg: float, policy: str, mode: str) -> None:
+    from mlflow.entities import Metric, Param
+
+    tags = {"mlflow.parentRunId": parent, "sweep.arm": arm, "fp8rl.config_hash": f"{arm}-{seed}"}
+    run_id = client.create_run(exp_id, tags=tags, run_name=f"{arm}-{seed}").info.run_id
+    metrics = [Metric("clip/low_neg", low_neg + 0.001 * seed * (arm == "cc_tensorwise"), 0, i) for i in range(12)]
+    recipe = "rowwise" if arm.endswith("rowwise") else "tensorwise"
+    params = {"trainer.seed": seed, "clipping.policy": policy, "clipping.interval": 5, "precision.mode": mode}
+    params["precision.recipe"] = recipe
+    client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()])
+    client.set_terminated(run_id, "FINISHED")
+
+
+def test_calibrated_clipping_is_paired_with_vanilla_fp8_of_the_same_precision(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = runs.client(uri)
+    exp_id = runs.experiment_id(client, "grpo_granularity-tiny", create=True)
+    parent = ensure_parent(client, exp_id, "grpo_granularity-tiny", {"fp8rl.axes": "sweep.arm"})
+    arms = {  # arm: (clip/low_neg, clipping.policy, precision.mode)
+        "bf16": (0.01, "standard", "bf16"),
+        "fp8_tensorwise": (0.05, "standard", "fp8_full"),
+        "fp8_rowwise": (0.03, "standard", "fp8_full"),
+        "cc_tensorwise": (0.02, "calibrated", "fp8_full"),
+        "cc_blockwise": (0.02, "calibrated", "fp8_full"),  # blockwise has no vanilla arm here: not paired
+    }
+    for seed in range(3):
+        for arm, (low_neg, policy, mode) in arms.items():
+            _arm_run(client, exp_id, parent, arm, seed, low_neg, policy, mode)
+    tables.write_table("grpo_granularity-tiny", tmp_path, tracking_uri=uri)
+    paired = list(csv.DictReader(open(tmp_path / "grpo_granularity-tiny.paired.csv")))
+    against = {(r["arm"], r["against"]) for r in paired}
+    assert ("cc_tensorwise", "fp8_tensorwise") in against and ("cc_tensorwise", "bf16") in against
+    assert not {pair for pair in against if pair[1] not in ("bf16", "fp8_tensorwise")}  # one vanilla pair only
+    whole_run = {(r["arm"], r["against"]): float(r["mean"]) for r in paired if r["metric"] == "clip/low_neg (mean)"}
+    assert whole_run["cc_tensorwise", "fp8_tensorwise"] == pytest.approx(0.02 + 0.001 - 0.05)  # seeds 0-2: +0.001
+    md = (tmp_path / "grpo_granularity-tiny.md").read_text()
+    assert "against the vanilla FP8 arm with the same precision" in md
+    row = next(line for line in md.splitlines() if line.startswith("| cc_tensorwise | fp8_tensorwise"))
+    assert "72%" in row  # 1 - (0.021 - 0.01) / (0.05 - 0.01): the share of vanilla's excess removed
