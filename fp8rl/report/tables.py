@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import statistics
 import time
@@ -42,6 +43,8 @@ from fp8rl.report.frames import (
 from fp8rl.report.paper import PAPER_METRIC, PAPER_SCORES
 from fp8rl.report.surge import SurgeRule
 from fp8rl.tracking import store as runs
+
+log = logging.getLogger(__name__)
 
 SURGE_RULE = SurgeRule()
 TABLE_COLUMNS = (
@@ -86,9 +89,12 @@ AGAINST_BF16 = (
 )
 AGAINST_VANILLA = (
     "Per-seed paired differences of each Calibrated Clipping arm against the vanilla FP8 arm with the same precision "
-    f"settings (`against`, same seed; mean [{CONFIDENCE:.0%} t-interval]). `excess removed`: the share of the vanilla "
-    f"arm's excess `clip/low_neg` over `{REFERENCE_ARM}`'s that Calibrated Clipping removes, 1 - (CC - BF16) / "
-    "(vanilla - BF16), from the means over the seeds all three arms have."
+    f"settings (`against`, same seed; mean [{CONFIDENCE:.0%} t-interval])."
+)
+EXCESS_NOTE = (
+    f" `excess removed`: the share of the vanilla arm's excess `clip/low_neg` over `{REFERENCE_ARM}`'s that Calibrated "
+    "Clipping removes, 1 - (CC - BF16) / (vanilla - BF16), from the means over the seeds where all three arms have a "
+    "value on the same steps (`-` where vanilla does not exceed BF16)."
 )
 # the columns whose excess over BF16 the comparison with vanilla FP8 reports as a share removed
 EXCESS_LABELS = ("clip/low_neg (mean)", "clip/low_neg after 1st calibration")
@@ -214,9 +220,10 @@ def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[C
     arm, labels = names[0], [c.label for c in columns if c.label in PAIRED_LABELS]
     shown = [c for c in columns if c.label in labels]
     arms = list(dict.fromkeys(per_run[arm]))
-    against_bf16 = {a: REFERENCE_ARM for a in arms if a != REFERENCE_ARM} if REFERENCE_ARM in arms else {}
+    has_reference = REFERENCE_ARM in arms
+    against_bf16 = {a: REFERENCE_ARM for a in arms if a != REFERENCE_ARM} if has_reference else {}
     against_vanilla = vanilla_counterparts(run_data)
-    if not against_bf16 and not against_vanilla:
+    if not labels or not (against_bf16 or against_vanilla):
         return None
     text, frames = [], []
     for pairs, title in ((against_bf16, AGAINST_BF16), (against_vanilla, AGAINST_VANILLA)):
@@ -225,8 +232,9 @@ def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[C
         paired = _paired_against(per_run, arm, pairs, labels, columns, run_data)
         display = paired_cells(paired, arm, shown)
         display.insert(1, "against", [pairs[a] for a in display[arm]])
-        if pairs is against_vanilla:
-            display = display.merge(_excess_removed(per_run, arm, pairs), on=arm, how="left")
+        if pairs is against_vanilla and has_reference:
+            title += EXCESS_NOTE
+            display = display.merge(_excess_removed(per_run, arm, pairs, columns, run_data), on=arm, how="left")
         text += ["", title, "", display.to_markdown(index=False)]
         frames.append(paired)
     return text[1:], pd.concat(frames, ignore_index=True)
@@ -234,19 +242,33 @@ def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[C
 
 def vanilla_counterparts(run_data: Sequence[RunData]) -> dict[str, str]:
     """Each Calibrated Clipping arm (``clipping.policy=calibrated``) -> the one arm of the table without it whose
-    runs have the same ``precision.*`` settings (vanilla FP8 of the same recipe); arms with no such arm, or more
-    than one, are left out."""
-    policy, precision = {}, {}
-    for run in run_data:
-        name = run.group[0] if len(run.group) == 1 else None
-        policy[name] = run.params.get("clipping.policy")
-        precision[name] = tuple(sorted((k, v) for k, v in run.params.items() if k.startswith("precision.")))
+    runs have the same ``precision.*`` settings (vanilla FP8 of the same recipe): every setting the two arms'
+    runs share has one value across all of them. A Calibrated Clipping arm with no such arm, or several, is left
+    out with a warning."""
+    policies: dict[str, set[str | None]] = {}
+    precision: dict[str, dict[str, set[str]]] = {}
+    for run in (r for r in run_data if len(r.group) == 1):
+        policies.setdefault(run.group[0], set()).add(run.params.get("clipping.policy"))
+        settings = precision.setdefault(run.group[0], {})
+        for key, value in run.params.items():
+            if key.startswith("precision."):
+                settings.setdefault(key, set()).add(value)
+    calibrated = [a for a, p in policies.items() if p == {CALIBRATED}]
+    vanilla = [a for a, p in policies.items() if CALIBRATED not in p]
     pairs = {}
-    for name in (n for n in policy if n is not None and policy[n] == CALIBRATED):
-        matches = [n for n in policy if n is not None and policy[n] != CALIBRATED and precision[n] == precision[name]]
+    for name in calibrated:
+        matches = [a for a in vanilla if _same_settings(precision[name], precision[a])]
         if len(matches) == 1:
             pairs[name] = matches[0]
+        else:
+            log.warning("%s: %d vanilla arms with its precision settings (%s); not paired", name, len(matches), matches)
     return pairs
+
+
+def _same_settings(a: dict[str, set[str]], b: dict[str, set[str]]) -> bool:
+    """Every key both have holds one and the same value in both (and they share at least one key)."""
+    shared = a.keys() & b.keys()
+    return bool(shared) and all(len(a[k]) == 1 and a[k] == b[k] for k in shared)
 
 
 def _paired_against(
@@ -267,24 +289,26 @@ def _paired_against(
     return paired[[arm, "against", *(c for c in paired.columns if c not in (arm, "against"))]]
 
 
-def _excess_removed(per_run: pd.DataFrame, arm: str, pairs: dict[str, str]) -> pd.DataFrame:
+def _excess_removed(
+    per_run: pd.DataFrame, arm: str, pairs: dict[str, str], columns: Sequence[Column], run_data: list[RunData]
+) -> pd.DataFrame:
     """Per Calibrated Clipping arm: 1 - (CC - BF16) / (vanilla - BF16) of each `EXCESS_LABELS` column, from the
-    means over the seeds the three arms share (empty without a BF16 arm)."""
+    means over the seeds where the three arms all have a value on the same steps; "-" where vanilla's mean does
+    not exceed BF16's (no excess to remove)."""
+    labels = [label for label in EXCESS_LABELS if label in per_run.columns]
     rows = []
     for name, vanilla in pairs.items():
-        seeds = [set(per_run.loc[per_run[arm] == a, "seed"]) for a in (name, vanilla, REFERENCE_ARM)]
-        shared = per_run[per_run["seed"].isin(set.intersection(*seeds))]
-        labels = [label for label in EXCESS_LABELS if label in per_run.columns]
-        means = shared.groupby(arm)[labels].mean()
+        trio = per_run[per_run[arm].isin([name, vanilla, REFERENCE_ARM])]
+        for reference in (vanilla, REFERENCE_ARM):  # a window on other steps than either reference's: left out
+            trio = _unpaired_windows_left_out(trio, arm, columns, run_data, reference)
         row = {arm: name}
         for label in labels:
-            if REFERENCE_ARM not in means.index:
-                continue
-            cc, van, ref = (means.at[a, label] for a in (name, vanilla, REFERENCE_ARM))
-            removed = 1 - (cc - ref) / (van - ref) if van != ref else math.nan
+            values = trio.drop_duplicates([arm, "seed"]).pivot(index="seed", columns=arm, values=label).dropna()
+            cc, van, ref = (values[a].mean() if a in values else math.nan for a in (name, vanilla, REFERENCE_ARM))
+            removed = 1 - (cc - ref) / (van - ref) if van > ref else math.nan
             row[f"excess removed, {label}"] = "-" if pd.isna(removed) else f"{removed:.0%}"
         rows.append(row)
-    return pd.DataFrame(rows, columns=[arm, *(f"excess removed, {label}" for label in EXCESS_LABELS)])
+    return pd.DataFrame(rows, columns=[arm, *(f"excess removed, {label}" for label in labels)])
 
 
 def _unpaired_windows_left_out(

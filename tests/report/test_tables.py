@@ -169,36 +169,58 @@ def _arm_run(client, exp_id: str, parent: str, arm: str, seed: int, low_neg: flo
     tags = {"mlflow.parentRunId": parent, "sweep.arm": arm, "fp8rl.config_hash": f"{arm}-{seed}"}
     run_id = client.create_run(exp_id, tags=tags, run_name=f"{arm}-{seed}").info.run_id
     metrics = [Metric("clip/low_neg", low_neg + 0.001 * seed * (arm == "cc_tensorwise"), 0, i) for i in range(12)]
-    recipe = "rowwise" if arm.endswith("rowwise") else "tensorwise"
     params = {"trainer.seed": seed, "clipping.policy": policy, "clipping.interval": 5, "precision.mode": mode}
-    params["precision.recipe"] = recipe
+    params["precision.recipe"] = arm.split("_")[-1]  # bf16 for the BF16 arm: a recipe no other arm has
     client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()])
     client.set_terminated(run_id, "FINISHED")
 
 
-def test_calibrated_clipping_is_paired_with_vanilla_fp8_of_the_same_precision(tmp_path: Path) -> None:
+def _table_of(tmp_path: Path, arms: dict[str, tuple[float, str, str]]) -> tuple[list[dict[str, str]], str]:
+    """The paired rows and the markdown of a 3-seed table of `arms` (arm: clip/low_neg, policy, precision mode)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = runs.client(uri)
     exp_id = runs.experiment_id(client, "grpo_granularity-tiny", create=True)
     parent = ensure_parent(client, exp_id, "grpo_granularity-tiny", {"fp8rl.axes": "sweep.arm"})
-    arms = {  # arm: (clip/low_neg, clipping.policy, precision.mode)
-        "bf16": (0.01, "standard", "bf16"),
-        "fp8_tensorwise": (0.05, "standard", "fp8_full"),
-        "fp8_rowwise": (0.03, "standard", "fp8_full"),
-        "cc_tensorwise": (0.02, "calibrated", "fp8_full"),
-        "cc_blockwise": (0.02, "calibrated", "fp8_full"),  # blockwise has no vanilla arm here: not paired
-    }
     for seed in range(3):
         for arm, (low_neg, policy, mode) in arms.items():
             _arm_run(client, exp_id, parent, arm, seed, low_neg, policy, mode)
     tables.write_table("grpo_granularity-tiny", tmp_path, tracking_uri=uri)
     paired = list(csv.DictReader(open(tmp_path / "grpo_granularity-tiny.paired.csv")))
+    return paired, (tmp_path / "grpo_granularity-tiny.md").read_text()
+
+
+def test_calibrated_clipping_is_paired_with_vanilla_fp8_of_the_same_precision(tmp_path: Path) -> None:
+    paired, md = _table_of(
+        tmp_path,
+        {
+            "bf16": (0.01, "standard", "bf16"),
+            "fp8_tensorwise": (0.05, "standard", "fp8_full"),
+            "fp8_rowwise": (0.03, "standard", "fp8_full"),
+            "cc_tensorwise": (0.021, "calibrated", "fp8_full"),
+            "cc_blockwise": (0.02, "calibrated", "fp8_full"),  # no vanilla blockwise arm here: not paired
+        },
+    )
     against = {(r["arm"], r["against"]) for r in paired}
     assert ("cc_tensorwise", "fp8_tensorwise") in against and ("cc_tensorwise", "bf16") in against
-    assert not {pair for pair in against if pair[1] not in ("bf16", "fp8_tensorwise")}  # one vanilla pair only
+    assert {a for a, ref in against if ref != "bf16"} == {"cc_tensorwise"}  # cc_blockwise only against BF16
     whole_run = {(r["arm"], r["against"]): float(r["mean"]) for r in paired if r["metric"] == "clip/low_neg (mean)"}
-    assert whole_run["cc_tensorwise", "fp8_tensorwise"] == pytest.approx(0.02 + 0.001 - 0.05)  # seeds 0-2: +0.001
-    md = (tmp_path / "grpo_granularity-tiny.md").read_text()
+    assert whole_run["cc_tensorwise", "fp8_tensorwise"] == pytest.approx(0.022 - 0.05)  # CC seeds: 0.021-0.023
     assert "against the vanilla FP8 arm with the same precision" in md
     row = next(line for line in md.splitlines() if line.startswith("| cc_tensorwise | fp8_tensorwise"))
-    assert "72%" in row  # 1 - (0.021 - 0.01) / (0.05 - 0.01): the share of vanilla's excess removed
+    assert "70%" in row  # 1 - (0.022 - 0.01) / (0.05 - 0.01): the share of vanilla's excess removed
+
+
+def test_no_excess_share_without_an_excess_or_without_bf16(tmp_path: Path) -> None:
+    arms = {
+        "bf16": (0.05, "standard", "bf16"),
+        "fp8_tensorwise": (0.04, "standard", "fp8_full"),  # below BF16: no excess to remove
+        "cc_tensorwise": (0.02, "calibrated", "fp8_full"),
+    }
+    _, md = _table_of(tmp_path / "below", arms)
+    row = next(line for line in md.splitlines() if line.startswith("| cc_tensorwise | fp8_tensorwise"))
+    assert row.rstrip(" |").endswith("-")
+    del arms["bf16"]
+    paired, md = _table_of(tmp_path / "no_bf16", arms)
+    assert {(r["arm"], r["against"]) for r in paired} == {("cc_tensorwise", "fp8_tensorwise")}
+    assert "excess removed" not in md
