@@ -243,8 +243,8 @@ def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[C
 def vanilla_counterparts(run_data: Sequence[RunData]) -> dict[str, str]:
     """Each Calibrated Clipping arm (``clipping.policy=calibrated``) -> the one arm of the table without it whose
     runs have the same ``precision.*`` settings (vanilla FP8 of the same recipe): every setting the two arms'
-    runs share has one value across all of them. A Calibrated Clipping arm with no such arm, or several, is left
-    out with a warning."""
+    runs share has one value across all of them. A Calibrated Clipping arm with no such arm (an ablation's) is left
+    out, one with several too, with a warning."""
     policies: dict[str, set[str | None]] = {}
     precision: dict[str, dict[str, set[str]]] = {}
     for run in (r for r in run_data if len(r.group) == 1):
@@ -260,8 +260,8 @@ def vanilla_counterparts(run_data: Sequence[RunData]) -> dict[str, str]:
         matches = [a for a in vanilla if _same_settings(precision[name], precision[a])]
         if len(matches) == 1:
             pairs[name] = matches[0]
-        else:
-            log.warning("%s: %d vanilla arms with its precision settings (%s); not paired", name, len(matches), matches)
+        elif matches:
+            log.warning("%s: several vanilla arms with its precision settings (%s); not paired", name, matches)
     return pairs
 
 
