@@ -137,22 +137,26 @@ class RunSpec:
     system_metrics: bool = True
 
 
-def ensure_experiment(client: Any, name: str) -> str:
-    """The id of experiment `name`, created if missing. The jobs of a sweep start together: when another
-    one created it between our lookup and our create, MLflow answers RESOURCE_ALREADY_EXISTS and we take
-    theirs."""
+def ensure_experiment(client: Any, name: str, create: bool = True) -> str | None:
+    """The id of experiment `name`: restored if it was deleted, created if missing and `create` (else None). The
+    jobs of a sweep start together: when another one created or restored it between our lookup and our write,
+    MLflow refuses ours (RESOURCE_ALREADY_EXISTS, or no deleted experiment to restore) and we take theirs."""
     from mlflow.exceptions import MlflowException
 
     found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
+    if found is None and not create:
+        return None
     try:
-        return client.create_experiment(name)
+        if found is None:
+            return client.create_experiment(name)
+        if found.lifecycle_stage == "deleted":
+            client.restore_experiment(found.experiment_id)
+        return found.experiment_id
     except MlflowException as err:
         found = client.get_experiment_by_name(name)
-        if found is None:
+        if found is None or found.lifecycle_stage == "deleted":
             raise
-        log.info("experiment %r was created by another job at the same time (%s)", name, err.error_code)
+        log.info("experiment %r was created or restored by another job at the same time (%s)", name, err.error_code)
         return found.experiment_id
 
 

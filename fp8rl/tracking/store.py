@@ -44,12 +44,7 @@ def client(uri: str):
 
 def experiment_id(mlflow_client: Any, name: str, create: bool) -> str | None:
     """The experiment's id (restored if it was deleted); created when `create`, else None if missing."""
-    found = mlflow_client.get_experiment_by_name(name)
-    if found is not None:
-        if found.lifecycle_stage == "deleted":
-            mlflow_client.restore_experiment(found.experiment_id)
-        return found.experiment_id
-    return ensure_experiment(mlflow_client, name) if create else None
+    return ensure_experiment(mlflow_client, name, create)
 
 
 def search(mlflow_client: Any, exp_id: str | list[str], filter_string: str = "") -> list[Any]:

@@ -154,3 +154,34 @@ def test_a_tag_already_in_place_is_not_written_again(sqlite_uri: str) -> None:
     real.set_experiment_tag(exp_id, "mlflow.experimentKind", "finetuning")
     racing = _LosesTheRace(sqlite_uri)  # any write would raise
     ensure_experiment_tag(racing, exp_id, "mlflow.experimentKind", "finetuning")
+
+
+def test_a_deleted_experiment_is_restored_for_a_new_run(tmp_path: Path, sqlite_uri: str) -> None:
+    client = MlflowClient(sqlite_uri)
+    client.delete_experiment(client.create_experiment("unit"))
+    tracker = MlflowTracker(_spec(sqlite_uri), tmp_path, connect_timeout_s=5, offline_ok=False)
+    tracker.finish()
+    experiment = client.get_experiment_by_name("unit")
+    assert experiment.lifecycle_stage == "active"
+    assert client.get_run(tracker.run_id).info.experiment_id == experiment.experiment_id
+
+
+def test_a_job_that_loses_the_race_to_restore_the_experiment_takes_it(sqlite_uri: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    from fp8rl.tracking.mlflow_tracker import ensure_experiment
+
+    real = MlflowClient(sqlite_uri)
+    exp_id = real.create_experiment("unit")
+    real.delete_experiment(exp_id)
+
+    class RestoredByAnother(_LosesTheRace):
+        def get_experiment_by_name(self, name: str):
+            return self.real.get_experiment_by_name(name)
+
+        def restore_experiment(self, experiment_id: str) -> None:
+            self.real.restore_experiment(experiment_id)  # the other job's restore ...
+            raise MlflowException("No Experiment with id=1 exists")  # ... and ours, of an active experiment
+
+    assert ensure_experiment(RestoredByAnother(sqlite_uri), "unit") == exp_id
+    assert ensure_experiment(RestoredByAnother(sqlite_uri), "absent", create=False) is None
