@@ -226,13 +226,12 @@ def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[C
     if not labels or not (against_bf16 or against_vanilla):
         return None
     text, frames = [], []
-    for pairs, title in ((against_bf16, AGAINST_BF16), (against_vanilla, AGAINST_VANILLA)):
-        if not pairs:
-            continue
+    sections = ((against_bf16, AGAINST_BF16, False), (against_vanilla, AGAINST_VANILLA, has_reference))
+    for pairs, title, with_excess in (section for section in sections if section[0]):
         paired = _paired_against(per_run, arm, pairs, labels, columns, run_data)
         display = paired_cells(paired, arm, shown)
         display.insert(1, "against", [pairs[a] for a in display[arm]])
-        if pairs is against_vanilla and has_reference:
+        if with_excess:  # the share of vanilla's excess over BF16 removed
             title += EXCESS_NOTE
             display = display.merge(_excess_removed(per_run, arm, pairs, columns, run_data), on=arm, how="left")
         text += ["", title, "", display.to_markdown(index=False)]
