@@ -28,7 +28,7 @@ RECAL_K ?= $(if $(filter paper,$(SCALE)),10$(comma)20$(comma)40,2$(comma)5$(comm
 REPRO_SWEEP = $(VENV)/bin/fp8rl sweep --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(SWEEP_ARGS)
 REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 
-.PHONY: setup test test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
+.PHONY: setup golden test test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
 
 setup: $(STAMP)
 
@@ -59,6 +59,11 @@ docs: setup
 
 demo: setup
 	$(PY) -m fp8rl.demo
+
+# The golden per-step record (tests/golden/steps.json) that tests/test_golden.py compares every change with:
+# re-record only for a deliberate change of behaviour (and say why in the commit).
+golden: setup
+	$(PY) -m tests.golden.record --check-machine
 
 # Screenshots of the MLflow UI over the demo's runs (runs table, charts, run pages, an artifact, the compare
 # view) into results/ui/: Debian's Chromium (installed here, as root) driven by Playwright (the `ui` extra).

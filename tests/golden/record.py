@@ -1,0 +1,153 @@
+"""The golden per-step record: every metric of a few short runs, step by step, and their config hashes.
+
+`tests/test_golden.py` (and, for the DP = 2 run, `tests/distributed/test_golden_dp.py`) re-run these runs and
+compare them with the committed `steps.json`: a change that alters what a run computes, a metric's name or a
+run's identity fails them. Re-record (`make golden`) only for a deliberate change of behaviour, and say why in the
+commit.
+
+The runs are the demo's three arms (BF16, vanilla tensorwise FP8, FP8 + Calibrated Clipping; Calibrated Clipping
+recalibrates every 2 steps), 5 steps, seed 0, from a 200-step warm start, on a task small and a learning rate
+large enough that rewards vary and PPO's clip fires in 5 steps. Everything is computed in FP32
+(`precision.compute` and the warm start), with 2 intra-op threads and the CPU kernels pinned (`KERNELS`) to the
+AVX2 code paths of ATen's vectorised kernels, torch.compile's C++ kernels, MKL and oneDNN, the ones every x86
+machine with AVX2 runs. So the comparison is exact. Without the pins the same seed drifts on another machine
+(measured on this one: with MKL capped to AVX2 and nothing else pinned, the 200-step warm start answers 34% of
+held-out sums instead of 22%, and sampled tokens differ from the first RL step). `--check-machine` records a
+second time on one core (the same 2 threads) and requires the same record bit for bit.
+
+    python -m tests.golden.record [--out tests/golden/steps.json] [--check-machine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+GOLDEN = Path(__file__).with_name("steps.json")
+REPO = Path(__file__).resolve().parents[2]
+# Set before torch starts (so in a fresh process): the kernels every machine with AVX2 can run identically.
+KERNELS = {
+    "ATEN_CPU_CAPABILITY": "avx2",  # ATen's vectorised kernels and torch.compile's C++ kernels
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL's GEMMs (MKL_CBWR alone left some of them on AVX-512 here)
+    "MKL_CBWR": "AVX2,STRICT",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+# Another machine's core count (used by --check-machine): one core, the same 2 threads.
+ONE_CORE = ("taskset", "-c", "0")
+ARMS = ("bf16", "fp8_tensorwise", "cc_tensorwise")
+STEPS = 5
+GOLDEN_OVERRIDES = (
+    "precision.compute=fp32",
+    "warmstart.precision=fp32",
+    "warmstart.steps=200",
+    "warmstart.batch_size=128",
+    "warmstart.lr=2e-3",
+    "task.num_digits=2",  # 2-digit sums: a 200-step warm start answers ~20% of them (varied rewards)
+    "task.num_train=4000",
+    "task.num_eval=32",
+    "eval.size=32",
+    "eval.bf16=false",
+    "algo.lr=5e-4",  # large enough that ratios leave [0.8, 1.2] within 5 steps (the clip fires)
+    "algo.num_minibatches=4",
+    "trainer.checkpoint_every=0",
+    "trainer.threads=2",
+)
+UNTIMED = ("time/", "system/")  # wall-clock metrics: not part of what a run computes
+
+
+def arm_overrides(arm: str, work: Path) -> list[str]:
+    from fp8rl.demo import demo_overrides
+
+    places = [f"warmstart.cache_dir={work / 'warmstart'}", f"trainer.out_dir={work / arm}"]
+    return [*demo_overrides(arm, STEPS), *GOLDEN_OVERRIDES, *places]
+
+
+def run_arm(arm: str, work: Path) -> dict:
+    """One arm: its config hash and {step: {metric: value}} (wall-clock metrics left out)."""
+    from fp8rl.choices import validated
+    from fp8rl.compose import compose_config
+    from fp8rl.identity import config_hash
+    from fp8rl.job import run_job
+    from fp8rl.tracking import NullTracker
+
+    (work / "warmstart").mkdir(parents=True, exist_ok=True)
+    cfg = validated(compose_config(arm_overrides(arm, work)))
+    tracker = NullTracker()
+    run_job(cfg, tracker=tracker)
+    steps: dict[str, dict[str, float]] = {}
+    for step, metrics in tracker.history:
+        steps.setdefault(str(step), {}).update({k: v for k, v in metrics.items() if not k.startswith(UNTIMED)})
+    return {"config_hash": config_hash(cfg), "steps": steps}
+
+
+def record(work: Path) -> dict:
+    """Every arm, in this process (its environment must hold `KERNELS`)."""
+    missing = {k: v for k, v in KERNELS.items() if os.environ.get(k) != v}
+    if missing:
+        raise SystemExit(f"the golden record needs these kernel settings before torch starts: {missing}")
+    from fp8rl._warnings import silence_expected_warnings
+
+    silence_expected_warnings()
+    return {arm: run_arm(arm, work) for arm in ARMS}
+
+
+def record_in_subprocess(out: Path, work: Path, prefix: tuple[str, ...] = ()) -> dict:
+    """`record` in a fresh interpreter with `KERNELS` set (under `prefix`, e.g. taskset); returns what it wrote."""
+    env = {**os.environ, **KERNELS}
+    cmd = [*prefix, sys.executable, "-m", "tests.golden.record", "--in-process", "--out", str(out), "--work", str(work)]
+    subprocess.run(cmd, cwd=REPO, env=env, check=True)
+    return json.loads(out.read_text())
+
+
+def differences(expected: dict, actual: dict, limit: int = 20) -> list[str]:
+    """Where two records differ (arms, hashes, steps, metric names, values; NaN equals NaN), at most `limit`."""
+    found: list[str] = []
+    for arm in sorted(set(expected) | set(actual)):
+        if arm not in expected or arm not in actual:
+            found.append(f"{arm}: only in the {'record' if arm in expected else 'new run'}")
+            continue
+        want, got = expected[arm], actual[arm]
+        if want["config_hash"] != got["config_hash"]:
+            found.append(f"{arm}: config hash {got['config_hash']} != recorded {want['config_hash']}")
+        for step in sorted(set(want["steps"]) | set(got["steps"]), key=int):
+            a, b = want["steps"].get(step, {}), got["steps"].get(step, {})
+            for name in sorted(set(a) ^ set(b)):
+                found.append(f"{arm} step {step}: metric {name} only in the {'record' if name in a else 'new run'}")
+            for name in sorted(set(a) & set(b)):
+                x, y = a[name], b[name]
+                if x != y and not (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
+                    found.append(f"{arm} step {step}: {name} = {y!r}, recorded {x!r}")
+    return found[:limit]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=GOLDEN)
+    parser.add_argument("--work", type=Path, default=None, help="run folders and the warm start (default: a temp dir)")
+    parser.add_argument("--check-machine", action="store_true", help="also record on one core; must be equal")
+    parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.in_process:
+        args.out.write_text(json.dumps(record(args.work), indent=1, sort_keys=True) + "\n")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        result = record_in_subprocess(Path(tmp) / "steps.json", work / "here")
+        if args.check_machine:
+            other = record_in_subprocess(Path(tmp) / "one-core.json", work / "one-core", ONE_CORE)
+            diff = differences(result, other)
+            if diff:
+                raise SystemExit("one core records another golden record:\n" + "\n".join(diff))
+            print("one core (taskset -c 0, 2 threads) gives the same record bit for bit")
+        args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
