@@ -22,7 +22,7 @@ from fp8rl.algos import (
 from fp8rl.config import ConfigError, RunConfig
 from fp8rl.models.config import model_preset_names
 from fp8rl.models.te_recipes import check_backend_supports
-from fp8rl.quant.recipes import AMAX_COMPUTE_ALGOS, FORMAT_MODES, RECIPE_NAMES, SCALING_MODES
+from fp8rl.quant.recipes import AMAX_COMPUTE_ALGOS, FORMAT_MODES, RECIPE_NAMES, SCALING_MODES, get_recipe
 from fp8rl.rollout.base import ROLLOUT_ENGINES
 from fp8rl.tasks import check_task_config, dataset_names, task_names
 
@@ -33,7 +33,7 @@ CHOICES: dict[str, Callable[[], Iterable[str]]] = {
     "algo.kl_type": KL_ESTIMATORS.names,
     "algo.loss_agg": lambda: AGGREGATION_MODES,
     "precision.recipe": lambda: RECIPE_NAMES,
-    "precision.fmt": lambda: FORMAT_MODES,
+    "precision.fmt": lambda: (None, *FORMAT_MODES),  # None: the recipe's preset
     "precision.scaling": lambda: SCALING_MODES,
     "precision.amax_compute_algo": lambda: AMAX_COMPUTE_ALGOS,
     "precision.amax_reduction": lambda: ("te", "tp_invariant"),
@@ -53,7 +53,7 @@ def _value(cfg: RunConfig, dotted: str) -> object:
 def check_choices(cfg: RunConfig) -> None:
     """Raise ConfigError for the first field whose name is not registered, listing the valid names."""
     for dotted, names in CHOICES.items():
-        valid = sorted(names())
+        valid = sorted(names(), key=str)
         value = _value(cfg, dotted)
         if value not in valid:
             raise ConfigError(f"{dotted}={value!r} is not valid; choose one of {valid}")
@@ -70,7 +70,9 @@ def check_choices(cfg: RunConfig) -> None:
     try:
         check_task_config(cfg.task)
         if cfg.precision.mode != "bf16":
-            check_backend_supports(cfg.precision.recipe, cfg.precision.backend)
+            p = cfg.precision
+            recipe = get_recipe(p.recipe, fmt=p.fmt, pow2_scale=p.pow2_scale, scaling=p.scaling)
+            check_backend_supports(recipe, p.backend)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 

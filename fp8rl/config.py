@@ -125,7 +125,14 @@ class PrecisionConfig:
 
     mode: str = option("bf16", "bf16, fp8_rollout (rollout FP8, trainer BF16), fp8_full (rollout + trainer FP8)")
     recipe: str = option("tensorwise", "FP8 scaling granularity (tensorwise, rowwise, blockwise, mxfp8)")
-    fmt: str = option("e4m3", "e4m3 everywhere, or hybrid (E5M2 gradients)")
+    fmt: str | None = option(
+        None, "e4m3 everywhere, or hybrid (E5M2 gradients); None = the recipe's preset (tensorwise: hybrid, else e4m3)"
+    )
+    pow2_scale: bool | None = option(
+        None,
+        "round scales to powers of two; None = the recipe's preset (rowwise and mxfp8: true; tensorwise and "
+        "blockwise: false, FP32 scales; TE's own blockwise default is true)",
+    )
     scaling: str = option("current", "tensorwise only: current or delayed (amax history)")
     amax_history_len: int = option(16, "delayed scaling: amax history length")
     amax_compute_algo: str = option("max", "delayed scaling: max over the history or most_recent")

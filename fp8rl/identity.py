@@ -16,6 +16,7 @@ from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from fp8rl.config import ConfigError, RunConfig, flatten, from_dict, section_types, to_dict
+from fp8rl.quant.recipes import get_recipe, legacy_pow2_scale
 
 # Fields that change where or how a run is stored or how fast it runs, not what it computes.
 HASH_EXCLUDED = (
@@ -61,6 +62,7 @@ HASH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "task.max_operands": (9,),
     "task.junk_tokens": (16,),
     "clipping.synthetic_overclip_std": (0.0,),
+    "precision.pow2_scale": (None,),  # hashed as run: `resolved_recipe` (None = the scale rounding of that time)
 }
 # Fields renamed since runs were published: hashed under their old name.
 HASH_LEGACY_NAMES = {"eval.every": "trainer.eval_every", "eval.size": "trainer.eval_size"}
@@ -68,7 +70,7 @@ HASH_LEGACY_NAMES = {"eval.every": "trainer.eval_every", "eval.size": "trainer.e
 
 def hash_view(cfg: RunConfig) -> dict[str, Any]:
     """The flat fields that define what a run computes, under the names finished runs were hashed with."""
-    flat = flatten(to_dict(cfg))
+    flat = {**flatten(to_dict(cfg)), **resolved_recipe(cfg)}
     view = {}
     for key, value in flat.items():
         if any(key == e or key.startswith(e + ".") for e in HASH_EXCLUDED):
@@ -78,6 +80,19 @@ def hash_view(cfg: RunConfig) -> dict[str, Any]:
             continue
         view[HASH_LEGACY_NAMES.get(key, key)] = list(value) if isinstance(value, tuple) else value
     return view
+
+
+def resolved_recipe(cfg: RunConfig) -> dict[str, Any]:
+    """The FP8 format and scale rounding a run computes with, as hashed: the recipe's preset resolved, so that a
+    change of a preset is a change of identity. Runs from before the presets were TorchAO's logged `precision.fmt`
+    and had no `precision.pow2_scale`: the rounding of that time (`legacy_pow2_scale`) hashes as None (neutral),
+    and a BF16 run, which quantizes nothing, hashes the values of that time."""
+    p = cfg.precision
+    if p.mode == "bf16":
+        return {"precision.fmt": p.fmt or "e4m3", "precision.pow2_scale": None}
+    recipe = get_recipe(p.recipe, fmt=p.fmt, pow2_scale=p.pow2_scale)
+    pow2 = None if recipe.pow2_scale == legacy_pow2_scale(p.recipe) else recipe.pow2_scale
+    return {"precision.fmt": recipe.fmt, "precision.pow2_scale": pow2}
 
 
 def without_neutral(section: str, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -113,6 +128,9 @@ def from_params(params: Mapping[str, str]) -> RunConfig:
         if hint is None:
             raise ConfigError(f"param {key!r}: section {section!r} has no field {name!r}")
         nested.setdefault(section, {})[name] = _parse_param(text, hint)
+    precision = nested.setdefault("precision", {})
+    if "pow2_scale" not in precision:  # logged before the field existed: the rounding of that time
+        precision["pow2_scale"] = legacy_pow2_scale(precision.get("recipe", "tensorwise"))
     return from_dict(nested)
 
 

@@ -33,7 +33,9 @@ class PrecisionPlan:
 def recipe_of(cfg: PrecisionConfig) -> Fp8Recipe:
     """The FP8 recipe the config names, with its delayed-scaling settings."""
     delayed = {"amax_history_len": cfg.amax_history_len, "amax_compute_algo": cfg.amax_compute_algo}
-    return get_recipe(cfg.recipe, fmt=cfg.fmt, scaling=cfg.scaling, margin=cfg.margin, **delayed)
+    return get_recipe(
+        cfg.recipe, fmt=cfg.fmt, pow2_scale=cfg.pow2_scale, scaling=cfg.scaling, margin=cfg.margin, **delayed
+    )
 
 
 def plan_precision(cfg: PrecisionConfig) -> PrecisionPlan:

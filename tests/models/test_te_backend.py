@@ -60,7 +60,7 @@ def test_only_the_two_pre_norms_are_renamed_and_the_mapping_inverts(tiny_model) 
     ("recipe", "fields"),
     [
         (None, {"fp8": None}),
-        ("tensorwise", {"fp8": "e4m3", "fp8_recipe": "tensorwise"}),
+        ("tensorwise", {"fp8": "hybrid", "fp8_recipe": "tensorwise"}),  # TorchAO's (and TE's) tensorwise
         ("blockwise", {"fp8": "e4m3", "fp8_recipe": "blockwise"}),
         ("mxfp8", {"fp8": "e4m3", "fp8_recipe": "mxfp8"}),
         (get_recipe("blockwise", fmt="hybrid"), {"fp8": "hybrid", "fp8_recipe": "blockwise"}),
@@ -155,8 +155,8 @@ def test_backend_acceptance() -> None:
 def test_power_of_two_scales_map_to_te_environment_switches(monkeypatch) -> None:
     assert te_recipe_env("tensorwise") == {"NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES": "0"}
     assert te_recipe_env(get_recipe("tensorwise", pow2_scale=True)) == {"NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES": "1"}
-    assert te_recipe_env("blockwise") == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}  # pow2 by default, as TE
-    assert te_recipe_env(get_recipe("blockwise", pow2_scale=False)) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
+    assert te_recipe_env("blockwise") == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}  # FP32 scales, as TorchAO
+    assert te_recipe_env(get_recipe("blockwise", pow2_scale=True)) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
     assert (
         te_recipe_env("mxfp8")
         == te_recipe_env(None)
@@ -172,9 +172,9 @@ def test_power_of_two_scales_map_to_te_environment_switches(monkeypatch) -> None
     fake.Float8CurrentScaling = SimpleNamespace(use_power_2_scales=False)
     fake.Float8BlockScaling = SimpleNamespace(use_f32_scales=False)
     monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", fake)
-    apply_te_recipe_env("blockwise")
+    apply_te_recipe_env(get_recipe("blockwise", pow2_scale=True))
     with pytest.raises(RuntimeError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES"):
-        apply_te_recipe_env(get_recipe("blockwise", pow2_scale=False))
+        apply_te_recipe_env("blockwise")
 
 
 def test_torchao_mapping_without_torchao() -> None:

@@ -360,7 +360,7 @@ def test_delayed_scaling_dgrad_uses_the_forward_fp8_weight():
     state.record("dy", dy.abs().max())
     _, dx, _, _ = run_linear(x, w, None, dy, recipe, state)
     ref, tol, _ = gemm_bounds(
-        operand(dy, "tensor", "e4m3", False, amax=dy.abs().max()),
+        operand(dy, "tensor", recipe.backward_format, False, amax=dy.abs().max()),
         transposed(operand(w, "tensor", "e4m3", False, amax=3 * w.abs().max())),
         N,
     )

@@ -26,17 +26,25 @@ def test_operand_granularities(name):
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_formats_e4m3_everywhere_or_hybrid_e5m2_gradients(name):
-    e4m3, hybrid = get_recipe(name), get_recipe(name, fmt="hybrid")
+    e4m3, hybrid = get_recipe(name, fmt="e4m3"), get_recipe(name, fmt="hybrid")
     assert (e4m3.forward_format, e4m3.backward_format) == ("e4m3", "e4m3")
     assert (hybrid.forward_format, hybrid.backward_format) == ("e4m3", "e5m2")
 
 
-def test_scale_defaults():
-    """Blockwise defaults to power-of-two scales (as TE's Float8BlockScaling); MXFP8 always has them."""
-    assert not get_recipe("tensorwise").uses_pow2_scales
-    assert not get_recipe("rowwise").uses_pow2_scales
-    assert get_recipe("blockwise").uses_pow2_scales
-    assert get_recipe("mxfp8").uses_pow2_scales
+@pytest.mark.parametrize(
+    ("name", "fmt", "pow2"),
+    [("tensorwise", "hybrid", False), ("rowwise", "e4m3", True), ("blockwise", "e4m3", False), ("mxfp8", "e4m3", True)],
+)
+def test_each_name_defaults_to_the_papers_torchao_recipe(name, fmt, pow2):
+    """TorchAO's tensorwise has E5M2 gradients, its rowwise power-of-two scales, its blockwise FP32 scales
+    (tests/quant/test_torchao_recipes.py checks them against torchao itself); MXFP8's E8M0 scales are pow2."""
+    recipe, built = get_recipe(name), Fp8Recipe(name)
+    assert recipe == built and (recipe.fmt, recipe.pow2_scale, recipe.uses_pow2_scales) == (fmt, pow2, pow2)
+
+
+def test_scale_overrides():
+    """TE's own blockwise default (power-of-two scales) is one override away; MXFP8 always has them."""
+    assert get_recipe("blockwise", pow2_scale=True).uses_pow2_scales
     assert get_recipe("mxfp8", pow2_scale=False).uses_pow2_scales
     assert not get_recipe("blockwise", pow2_scale=False).uses_pow2_scales
     assert get_recipe("rowwise", pow2_scale=True).uses_pow2_scales
@@ -54,9 +62,9 @@ def test_delayed_scaling_options():
 
 def test_get_recipe_passes_recipes_through_and_applies_overrides():
     recipe = get_recipe("blockwise", fmt="hybrid")
-    assert get_recipe(recipe) is recipe
-    changed = get_recipe(recipe, pow2_scale=False)
-    assert changed.fmt == "hybrid" and not changed.pow2_scale and recipe.pow2_scale
+    assert get_recipe(recipe) is recipe and get_recipe(recipe, fmt=None, pow2_scale=None) is recipe
+    changed = get_recipe(recipe, pow2_scale=True)
+    assert changed.fmt == "hybrid" and changed.pow2_scale and not recipe.pow2_scale
 
 
 def test_recipes_are_immutable():
