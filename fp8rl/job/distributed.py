@@ -180,12 +180,15 @@ def cuda_device_index(env: DistEnv, device_count: int) -> int:
 
 
 def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float = 1800.0) -> bool:
-    """Initialize the default process group from `env` (gloo on CPU, NCCL on GPU); no-op for a single
+    """Initialize the default process group from `env` (gloo on CPU; NCCL for CUDA tensors and gloo for CPU
+    ones on GPU: `process_group_backend`); no-op for a single
     process or when a group exists. Returns whether this call created it (then it should destroy it)."""
     if not env.is_distributed:
         return False
     import torch
     import torch.distributed as dist
+
+    from fp8rl.models.runtime import process_group_backend
 
     if dist.is_initialized():
         return False
@@ -194,7 +197,7 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
     if use_cuda:
         torch.cuda.set_device(cuda_device_index(env, torch.cuda.device_count()))
     dist.init_process_group(
-        backend=backend or ("nccl" if use_cuda else "gloo"),
+        backend=backend or process_group_backend(use_cuda),
         init_method="env://",
         rank=env.rank,
         world_size=env.world_size,

@@ -24,10 +24,20 @@ from megatron.core.tensor_parallel import random as mcore_random
 from fp8rl.models import cpu_compat
 
 
+def process_group_backend(use_cuda: bool) -> str:
+    """gloo on a CPU host; on a GPU host NCCL for CUDA tensors and gloo for CPU ones.
+
+    An NCCL-only group refuses CPU tensors ("No backend type associated with device type cpu"), and the trainer
+    reduces some on the host (the finite-gradient flag, metric dicts, gathered lengths). Megatron creates its
+    groups with ``backend=None`` (parallel_state.create_group, megatron-core 0.16.1), so they inherit both.
+    """
+    return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+
+
 def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0) -> None:
     """Set up torch.distributed (if needed), megatron's parallel groups, its RNG, and the CPU shims."""
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = process_group_backend(torch.cuda.is_available())
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         current = (

@@ -152,6 +152,12 @@ def te_transformer_config(model_cfg: ModelConfig, layout: ParallelLayout, recipe
         "bf16": True,
         "params_dtype": torch.bfloat16,
         "pipeline_dtype": torch.bfloat16,
+        # megatron's TE linears pass is_first_microbatch=True on their first forward only, then False
+        # (extensions/transformer_engine.py:671-678, 0.16.1): TE then reuses the FP8 weight cast of that first
+        # pass (module/base.py), and only megatron's pipeline schedules reset the flag. fp8rl's passes (rollout,
+        # old log-probs, updates, shadow) would all use the first step's FP8 weights. With this field megatron
+        # passes None: TE casts the current weights on every forward.
+        "disable_parameter_transpose_cache": True,
         **te_fp8_fields(recipe),
     }
     if layout.activation_recompute:

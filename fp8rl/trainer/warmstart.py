@@ -121,7 +121,8 @@ def greedy_eval(model: torch.nn.Module, task: Task, problems: Sequence[Problem],
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         prompt_ids, prompt_mask = left_pad([task.prompt_ids(p) for p in chunk], task.tokenizer.pad_id)
-        out = generate(model, prompt_ids, prompt_mask, sampling)
+        device = next(model.parameters()).device
+        out = generate(model, prompt_ids.to(device), prompt_mask.to(device), sampling)
         responses = [row[mask.bool()].tolist() for row, mask in zip(out.tokens, out.response_mask, strict=True)]
         rewards += task.rewards(chunk, responses)
         reasons += [task.garble_reason(r) for r in responses]
@@ -145,13 +146,7 @@ def train_warmstart(
     trace: list[list[float]] = []  # [step, greedy accuracy] of each early-stopping check
     for step in range(ws_cfg.steps):
         picks = torch.randint(len(problems), (ws_cfg.batch_size,), generator=sampler).tolist()
-        batch = teacher_forcing_batch(task, [problems[i] for i in picks])
-        with compute_precision(ws_cfg.precision):
-            loss = answer_loss(model, *batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), ws_cfg.grad_clip)
-        optimizer.step()
+        loss = warmstart_step(model, optimizer, task, [problems[i] for i in picks], ws_cfg)
         if on_step is not None:
             on_step(step, loss.item(), model)
         if ws_cfg.stop_accuracy is not None and (step + 1) % ws_cfg.check_every == 0:
@@ -160,6 +155,22 @@ def train_warmstart(
     model.warmstart_trace = trace
     model.warmstart_steps_done = step + 1 if ws_cfg.steps else 0
     return model
+
+
+def warmstart_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, task: Task, problems: Sequence[Problem], ws_cfg
+) -> Tensor:
+    """One supervised step on `problems`; the batch goes to the model's device (a GPU host builds the model on
+    CUDA). Returns the loss."""
+    device = next(model.parameters()).device
+    batch = [t.to(device) for t in teacher_forcing_batch(task, problems)]
+    with compute_precision(ws_cfg.precision):
+        loss = answer_loss(model, *batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), ws_cfg.grad_clip)
+    optimizer.step()
+    return loss
 
 
 STOP_CHECK_PROBLEMS = 256  # held-out problems of each early-stopping check

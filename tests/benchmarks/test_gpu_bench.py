@@ -32,7 +32,7 @@ def test_refuses_without_a_gpu(tmp_path: Path) -> None:
 def test_verdicts_compare_ratios_with_the_issue_targets() -> None:
     bench = load_benchmark("gpu_bench")
     results = {
-        "train_step": {"speedup": {"bf16": 1.0, "tensorwise": 1.42, "blockwise": 1.05}},
+        "train_step": {"backend": "megatron TE spec", "speedup": {"bf16": 1.0, "tensorwise": 1.42, "blockwise": 1.05}},
         "vllm": {"speedup_fp8": 1.25},
     }
     v = bench.verdicts(results)
@@ -102,3 +102,19 @@ bench.run_sections(["done", "hangs"], runners, lambda r: bench.write_report(out,
     assert proc.returncode == -signal.SIGTERM
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["results"]["done"]["value"] == 1 and "hangs" not in report["results"]
+
+
+def test_the_gemm_only_fallback_is_not_scored_against_the_training_step_targets() -> None:
+    bench = load_benchmark("gpu_bench")
+    gemms_only = "torch._scaled_mm fallback (GEMMs only, no TE)"
+    fallback = {"train_step": {"backend": gemms_only, "speedup": {"tensorwise": 2.0}}}
+    assert bench.verdicts(fallback) == {}
+    te = {"train_step": {"backend": "megatron TE spec", "speedup": {"tensorwise": 1.4, "blockwise": 1.0}}}
+    assert set(bench.verdicts(te)) == {"train_step tensorwise", "train_step blockwise"}
+
+
+def test_the_mismatch_section_builds_a_valid_run_config(tmp_path: Path) -> None:
+    """Its config is built by overrides (the sections are frozen dataclasses) and passes the job's checks."""
+    bench = load_benchmark("gpu_bench")
+    cfg = bench.mismatch_config(str(tmp_path))
+    assert (cfg.model.device, cfg.rollout.engine, cfg.precision.backend) == ("cuda", "vllm", "te")

@@ -104,6 +104,23 @@ def test_transformer_config_carries_layout_bf16_fp8_delayed_fields_and_recompute
     )
 
 
+def test_te_linears_recast_the_current_weights_on_every_forward() -> None:
+    """megatron hands TE ``is_first_microbatch=False`` after a linear's first forward, so TE reuses that pass's
+    FP8 weights for every later pass (rollout, old log-probs, updates) unless the config disables the cache: then
+    megatron hands TE None (recast every time). Checked against the pinned megatron's source text."""
+    require_megatron()
+    import importlib.util
+    from pathlib import Path
+
+    from fp8rl.models.te_backend import te_transformer_config
+
+    cfg = te_transformer_config(get_model_config("qwen3_8b"), preset_layout("qwen3_8b"), "tensorwise")
+    assert cfg.disable_parameter_transpose_cache is True
+    source = Path(importlib.util.find_spec("megatron.core").origin).parent / "extensions/transformer_engine.py"
+    rule = "None if self.disable_parameter_transpose_cache else self.is_first_microbatch"
+    assert source.read_text().count(rule) == 3  # TELinear, TELayerNormColumnParallelLinear, TEGroupedLinear
+
+
 def test_te_fp8_switches_every_field_and_restores_them() -> None:
     config = SimpleNamespace(
         fp8="e4m3", fp8_recipe="delayed", fp8_margin=1, fp8_amax_history_len=16, fp8_amax_compute_algo="max"

@@ -3,6 +3,7 @@ test_device_placement.py in its own process). Prints one JSON line: what ran, or
 
     _fake_device_worker.py WORKDIR [cpu]    `cpu` leaves the trainer's device on CPU (the data never moves:
                                             the bug a GPU run would hit), which must fail
+    _fake_device_worker.py WORKDIR warmstart  one supervised warm-start step with the model on the fake device
 """
 
 from __future__ import annotations
@@ -60,7 +61,37 @@ def main(workdir: Path, device: str) -> dict:
     return {"ran": True, "host_syncs": syncs, "grad_devices": sorted(grads)}
 
 
+def warmstart_step_on_the_device(workdir: Path) -> dict:
+    """A GPU host builds the warm start's model on CUDA (megatron's default); its batches must follow it."""
+    from fp8rl.config import RunConfig
+    from fp8rl.models.config import get_model_config, with_tokenizer_vocab
+    from fp8rl.models.gpt import build_gpt_model
+    from fp8rl.models.runtime import init_megatron
+    from fp8rl.tasks import build_task
+    from fp8rl.trainer.warmstart import warmstart_step
+
+    init_megatron()
+    cfg = RunConfig()
+    task = build_task(cfg.task)
+    model = build_gpt_model(with_tokenizer_vocab(get_model_config("tiny"), task.tokenizer.vocab_size), seed=0)
+    ws_cfg = dataclasses.replace(cfg.warmstart, precision="fp32")
+    with fake_device_model(model) as mode:
+        mode.host_syncs = []
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            warmstart_step(model, optimizer, task, task.train_problems[:4], ws_cfg)
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            return {"ran": False, "error": type(err).__name__, "message": str(err)[:300]}
+        finally:
+            mode.host_syncs = None
+        grads = {p.grad.device.type for p in model.parameters() if p.grad is not None}
+    return {"ran": True, "grad_devices": sorted(grads)}
+
+
 if __name__ == "__main__":
     workdir, *rest = sys.argv[1:]
+    if rest == ["warmstart"]:
+        print(json.dumps(warmstart_step_on_the_device(Path(workdir))))
+        sys.exit(0)
     device = "cpu" if rest == ["cpu"] else FAKE
     print(json.dumps(main(Path(workdir), device)))

@@ -34,3 +34,9 @@ def test_data_left_on_the_host_is_caught(tmp_path: Path) -> None:
     """The control: the step's batch stays on CPU (the trainer's device not set), which must fail."""
     result = run_worker(tmp_path, "cpu")
     assert not result["ran"] and result["error"] == "FakeTensorDeviceMismatchError", result
+
+
+def test_a_warm_start_step_runs_on_the_accelerator(tmp_path: Path) -> None:
+    """A GPU host builds the warm start's model on CUDA; its CPU batches used to meet it there and fail."""
+    result = run_worker(tmp_path, "warmstart")
+    assert result["ran"] and result["grad_devices"] == ["fakegpu"], result
