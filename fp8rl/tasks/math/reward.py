@@ -58,26 +58,30 @@ STARTUP_TIMEOUT_S = 120.0  # a worker that cannot import math-verify in this lon
 # Extraction (in the calling process: regular expressions only)
 
 
-def _balanced_content(text: str, start: int) -> str | None:
-    """Content from ``start`` (just after an opening brace) to its matching closing brace, None if unclosed."""
-    depth = 1
-    for index in range(start, len(text)):
-        char = text[index]
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:index]
-    return None
+def _closing_braces(text: str) -> dict[int, int]:
+    """Offset of each closed ``{`` -> offset of its matching ``}``, in one pass (a stack): linear in the text,
+    however many openings are never closed."""
+    stack: list[int] = []
+    closing: dict[int, int] = {}
+    for match in re.finditer(r"[{}]", text):
+        if match.group() == "{":
+            stack.append(match.start())
+        elif stack:
+            closing[stack.pop()] = match.start()
+    return closing
 
 
 def last_boxed(text: str) -> tuple[int, str] | None:
-    """(start offset, content) of the last complete ``\\boxed{...}`` / ``\\fbox{...}`` in ``text``, or None."""
-    for match in reversed(list(_BOX_OPENING.finditer(text))):
-        content = _balanced_content(text, match.end())
-        if content is not None:
-            return match.start(), content
+    """(start offset, content) of the last complete ``\\boxed{...}`` / ``\\fbox{...}`` in ``text`` (balanced
+    braces), or None."""
+    openings = list(_BOX_OPENING.finditer(text))
+    if not openings:
+        return None
+    closing = _closing_braces(text)
+    for match in reversed(openings):
+        brace = match.end() - 1
+        if brace in closing:
+            return match.start(), text[match.end() : closing[brace]]
     return None
 
 

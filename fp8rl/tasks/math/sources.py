@@ -374,7 +374,14 @@ def load_problems(
         table = datasets.load_dataset(builder, split=split, cache_dir=cache_dir)
         check_columns(source, table.column_names, f"{source.hub_id} split {split!r}")
     else:
-        table = datasets.load_dataset(
-            builder, data_files=[str(file) for file in files], split="train", cache_dir=cache_dir
-        )
+        try:
+            table = datasets.load_dataset(
+                builder, data_files=[str(file) for file in files], split="train", cache_dir=cache_dir
+            )
+        except datasets.exceptions.DatasetGenerationError as err:  # e.g. pyarrow on a file without rows
+            cause = err.__cause__ or err
+            raise ValueError(
+                f"{dataset}: cannot read {where} ({type(cause).__name__}: {cause}); a data file needs rows in the "
+                f"data set's schema (columns {list(source.columns)})"
+            ) from err
     return to_problems(source, table_rows(table, list(source.columns)), where, deduplicate)

@@ -134,6 +134,23 @@ def load_task_problems(dataset: str, path: str | None, split: str | None = None)
     return [with_instruction(dataset, problem) for problem in load_problems(dataset, path, split)]
 
 
+def refuse_empty_sets(cfg: TaskConfig, train: Sequence[Problem], eval_sets: dict[str, list[Problem]]) -> None:
+    """A data set without problems is refused before anything trains (an empty training set would fail at the
+    first step; an empty benchmark would report an accuracy of NaN and exit 0)."""
+    if not train:
+        where = cfg.path or f"the hub's {cfg.dataset}"
+        raise ValueError(
+            f"task.dataset={cfg.dataset}: {where} holds no problems (split {cfg.split or 'default'}, task.num_train="
+            f"{cfg.num_train}); point task.path at a file or folder with problems, or raise task.num_train"
+        )
+    for name, problems in eval_sets.items():
+        if not problems:
+            raise ValueError(
+                f"task.eval_sets: {name} from {cfg.eval_paths.get(name, 'the hub')} holds no problems; fix "
+                f"task.eval_paths.{name} or drop {name} from task.eval_sets"
+            )
+
+
 class MathTask:
     """Math problems from the registered data sets, a Hugging Face tokenizer, verifier rewards, garble reasons.
 
@@ -163,6 +180,7 @@ class MathTask:
         self.eval_sets: dict[str, list[Problem]] = {
             name: load_task_problems(name, cfg.eval_paths.get(name)) for name in cfg.eval_sets
         }
+        refuse_empty_sets(cfg, self.train_problems, self.eval_sets)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """Token ids of the prompt: one user message in the chat template with the generation prompt, or the

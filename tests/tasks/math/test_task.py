@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +153,35 @@ def test_config_checks_say_what_to_change(mini_assets):
         MathTask(config(mini_assets, eval_sets=()))
     with pytest.raises(FileNotFoundError, match="does not exist; set model.hf_path="):
         MathTask(config(mini_assets, eval_sets=()), "/nonexistent/model")
+
+
+def _empty_copy(folder: Path, tmp_path: Path, name: str) -> Path:
+    """The data folder `folder` with every parquet file's rows dropped (the schema kept)."""
+    import pandas as pd
+
+    out = tmp_path / name
+    for source in folder.rglob("*.parquet"):
+        target = out / source.relative_to(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pd.read_parquet(source).iloc[:0].to_parquet(target)
+    return out
+
+
+def test_a_data_file_without_rows_is_refused_with_its_path_and_schema(mini_assets, tmp_path):
+    """datasets' raw ArrowInvalid ("BatchSize must be greater than 0") becomes a message naming the file."""
+    empty = _empty_copy(mini_assets["dapo_math_17k"], tmp_path, "dapo")
+    with pytest.raises(ValueError, match=r"dapo_math_17k: cannot read .*dapo .*needs rows.*columns"):
+        math_task(mini_assets, path=str(empty), eval_sets=())
+    empty = _empty_copy(mini_assets["aime24"], tmp_path, "aime24")
+    with pytest.raises(ValueError, match=r"aime24: cannot read .*aime24"):
+        math_task(mini_assets, eval_sets=("aime24",), eval_paths={"aime24": str(empty)})
+
+
+def test_empty_problem_sets_are_refused_instead_of_failing_later_or_scoring_nan(mini_assets):
+    from fp8rl.tasks.math.task import refuse_empty_sets
+
+    cfg = config(mini_assets, eval_sets=("aime24",))
+    with pytest.raises(ValueError, match=r"task.dataset=dapo_math_17k: .* holds no problems.*task.path"):
+        refuse_empty_sets(cfg, [], {})
+    with pytest.raises(ValueError, match=r"task.eval_sets: aime24 from .* holds no problems"):
+        refuse_empty_sets(cfg, ["a problem"], {"aime24": []})
