@@ -211,6 +211,66 @@ def rollout_mismatch_metrics(
     }
 
 
+VERL_SAFETY_BOUND = 20.0  # verl's clamp of log ratios before exp in its chi-square metrics
+
+
+@torch.no_grad()
+def offpolicy_statistics(
+    logp_train: torch.Tensor, logp_rollout: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """What `offpolicy_metrics` needs, in a form that data-parallel ranks combine: per-sequence vectors
+    (concatenated over ranks) and token sums (summed over ranks). Log-probs (batch, response_len)."""
+    mask = as_bool_mask(response_mask)
+    train, rollout = at_least_float32(logp_train).double(), at_least_float32(logp_rollout).double()
+    zero = torch.zeros((), dtype=torch.float64, device=train.device)
+    log_ratio = torch.where(mask, train - rollout, zero)
+    count = mask.sum(-1).double()
+    rho = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
+    return {
+        "seq_mean_logp_train": torch.where(mask, train, zero).sum(-1) / (count + 1e-8),  # verl_F.masked_mean
+        "seq_mean_logp_rollout": torch.where(mask, rollout, zero).sum(-1) / (count + 1e-8),
+        "seq_log_ratio_sum": log_ratio.sum(-1),
+        "token_sums": torch.stack(
+            [
+                count.sum(),
+                torch.where(mask, rollout - train, zero).sum(),  # kl
+                torch.where(mask, torch.exp(log_ratio) - log_ratio - 1, zero).sum(),  # k3 (unclamped, as verl)
+                torch.where(mask, rho.square(), zero).sum(),  # chi2_token
+            ]
+        ),
+    }
+
+
+def offpolicy_metrics(stats: dict[str, torch.Tensor]) -> Metrics:
+    """verl's rollout/train mismatch metrics (``rollout_corr/``: ``compute_offpolicy_metrics`` of
+    verl/trainer/ppo/rollout_corr_helper.py): from `offpolicy_statistics`, whole batch (all ranks).
+
+    kl = E_tok[log pi_rollout - log pi_train]; k3_kl = E_tok[r - log r - 1], r = pi_train / pi_rollout;
+    training/rollout ppl = E_seq[exp(-mean log p)] (and log ppl); log_ppl_diff_i = mean log pi_rollout -
+    mean log pi_train of sequence i (mean, mean |.|, max, min); ppl_ratio = E_seq[exp(log_ppl_diff_i)];
+    chi2_token = E_tok[r^2] - 1; chi2_seq = E_seq[(prod_t r_t)^2] - 1 (log ratios clamped at +-20 there).
+    """
+    count, kl_sum, k3_sum, rho2_sum = stats["token_sums"].unbind()
+    train, rollout = stats["seq_mean_logp_train"], stats["seq_mean_logp_rollout"]
+    diff = rollout - train
+    seq_sum = stats["seq_log_ratio_sum"].clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
+    return {
+        "rollout_corr/kl": kl_sum / count,
+        "rollout_corr/k3_kl": k3_sum / count,
+        "rollout_corr/training_ppl": torch.exp(-train).mean(),
+        "rollout_corr/training_log_ppl": (-train).mean(),
+        "rollout_corr/rollout_ppl": torch.exp(-rollout).mean(),
+        "rollout_corr/rollout_log_ppl": (-rollout).mean(),
+        "rollout_corr/log_ppl_diff": diff.mean(),
+        "rollout_corr/log_ppl_abs_diff": diff.abs().mean(),
+        "rollout_corr/log_ppl_diff_max": diff.max(),
+        "rollout_corr/log_ppl_diff_min": diff.min(),
+        "rollout_corr/ppl_ratio": torch.exp(diff).mean(),
+        "rollout_corr/chi2_token": rho2_sum / count - 1.0,
+        "rollout_corr/chi2_seq": torch.exp(2.0 * seq_sum).mean() - 1.0,
+    }
+
+
 @torch.no_grad()
 def synthetic_overclip_mask(
     log_ratio: torch.Tensor,

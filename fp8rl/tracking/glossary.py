@@ -51,6 +51,21 @@ ROLLOUT = {
     "rollout/max_abs_logp_diff": "largest |log pi_train - log pi_rollout| of the step",
     "rollout/token_mult_prob_error": "mean exp(|log pi_train - log pi_rollout|) (NeMo-RL; above 1.05 signals trouble)",
     "rollout/k3_kl": "k3 estimate of KL(pi_rollout || pi_train) from the rollout's samples",
+    # verl's rollout_corr set (verl/trainer/ppo/rollout_corr_helper.py compute_offpolicy_metrics), whole batch,
+    # old log-probs of the trainer against the rollout's; r = pi_train / pi_rollout per token
+    "rollout_corr/kl": "verl: mean log pi_rollout - log pi_train over tokens (direct KL(pi_rollout || pi_train))",
+    "rollout_corr/k3_kl": "verl: mean r - log r - 1 over tokens (k3 KL estimate, unclamped)",
+    "rollout_corr/training_ppl": "verl: mean over sequences of exp(-mean log pi_train)",
+    "rollout_corr/training_log_ppl": "verl: mean over sequences of -mean log pi_train",
+    "rollout_corr/rollout_ppl": "verl: mean over sequences of exp(-mean log pi_rollout)",
+    "rollout_corr/rollout_log_ppl": "verl: mean over sequences of -mean log pi_rollout",
+    "rollout_corr/log_ppl_diff": "verl: mean over sequences of (mean log pi_rollout - mean log pi_train)",
+    "rollout_corr/log_ppl_abs_diff": "verl: mean over sequences of |mean log pi_rollout - mean log pi_train|",
+    "rollout_corr/log_ppl_diff_max": "verl: largest per-sequence log-perplexity difference",
+    "rollout_corr/log_ppl_diff_min": "verl: smallest per-sequence log-perplexity difference",
+    "rollout_corr/ppl_ratio": "verl: mean over sequences of training ppl / rollout ppl",
+    "rollout_corr/chi2_token": "verl: mean r^2 - 1 over tokens (chi-square divergence, log r clamped at +-20)",
+    "rollout_corr/chi2_seq": "verl: mean over sequences of (prod r)^2 - 1 (sum of log r clamped at +-20)",
 }
 
 ACTOR = {

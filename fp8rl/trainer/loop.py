@@ -136,11 +136,17 @@ class RLTrainer:
         timings["time/update"] = time.perf_counter() - t - shadow_time - timings["time/weight_push"]
         timings["time/shadow"] = shadow_time
         timings["time/step"] = time.perf_counter() - started
-        metrics = {**data.metrics, **update_metrics, **timings}
+        metrics = {**data.metrics, **update_metrics, **timings, **self._offpolicy_metrics(old_logp, data.rollout)}
         metrics.update(algos.metrics_to_floats(self.clip_policy.metrics()))
         metrics["rollout/entropy"] = self._mean_over_tokens(data.rollout.rollout_entropy, data.rollout.response_mask)
         metrics["train/skipped"] = 0.0 if good else 1.0
         return StepResult(metrics, good, histograms)
+
+    def _offpolicy_metrics(self, old_logp: torch.Tensor, rollout: RolloutBatch) -> dict[str, float]:
+        """verl's ``rollout_corr/`` mismatch metrics of the step's whole batch (every data-parallel rank's rows)."""
+        stats = algos.offpolicy_statistics(old_logp, rollout.rollout_logp, rollout.response_mask)
+        combined = {k: self.dp.sum(v) if k == "token_sums" else self.dp.gather_1d(v) for k, v in stats.items()}
+        return algos.metrics_to_floats(algos.offpolicy_metrics(combined))
 
     def _mean_over_tokens(self, values: torch.Tensor, mask: torch.Tensor) -> float:
         totals = self.dp.sum(torch.stack([(values * mask).sum().double(), mask.sum().double()]).cpu())

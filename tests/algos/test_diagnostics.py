@@ -94,3 +94,77 @@ def test_everything_is_finite_when_all_masked():
         **rollout_mismatch_metrics(torch.zeros(2, 3), torch.full((2, 3), -1e4), mask),
     }
     assert all(torch.isfinite(v) for v in metrics.values())
+
+
+# ------------------------------------------------------------------------- verl's rollout_corr metrics
+def _verl_offpolicy_by_hand(train, rollout, mask) -> dict[str, float]:
+    """verl's compute_offpolicy_metrics (verl/trainer/ppo/rollout_corr_helper.py at 0b4e2a8), written out per
+    token and per sequence in Python floats: its masked means divide by count + 1e-8, its chi-square metrics
+    clamp log ratios at +-20, its k3 does not."""
+    import math
+
+    rows = []
+    tokens = {"n": 0, "kl": 0.0, "k3": 0.0, "rho2": 0.0}
+    for t_row, r_row, m_row in zip(train.tolist(), rollout.tolist(), mask.tolist(), strict=True):
+        kept = [(t, r) for t, r, m in zip(t_row, r_row, m_row, strict=True) if m]
+        n = len(kept)
+        mean_t, mean_r = sum(t for t, _ in kept) / (n + 1e-8), sum(r for _, r in kept) / (n + 1e-8)
+        rows.append((mean_t, mean_r, sum(t - r for t, r in kept)))
+        for t, r in kept:
+            lr = t - r
+            tokens["n"] += 1
+            tokens["kl"] += r - t
+            tokens["k3"] += math.exp(lr) - lr - 1
+            tokens["rho2"] += math.exp(max(-20.0, min(20.0, lr))) ** 2
+    n_seq = len(rows)
+    diffs = [mr - mt for mt, mr, _ in rows]
+    return {
+        "rollout_corr/kl": tokens["kl"] / tokens["n"],
+        "rollout_corr/k3_kl": tokens["k3"] / tokens["n"],
+        "rollout_corr/training_ppl": sum(math.exp(-mt) for mt, _, _ in rows) / n_seq,
+        "rollout_corr/training_log_ppl": sum(-mt for mt, _, _ in rows) / n_seq,
+        "rollout_corr/rollout_ppl": sum(math.exp(-mr) for _, mr, _ in rows) / n_seq,
+        "rollout_corr/rollout_log_ppl": sum(-mr for _, mr, _ in rows) / n_seq,
+        "rollout_corr/log_ppl_diff": sum(diffs) / n_seq,
+        "rollout_corr/log_ppl_abs_diff": sum(abs(d) for d in diffs) / n_seq,
+        "rollout_corr/log_ppl_diff_max": max(diffs),
+        "rollout_corr/log_ppl_diff_min": min(diffs),
+        "rollout_corr/ppl_ratio": sum(math.exp(d) for d in diffs) / n_seq,
+        "rollout_corr/chi2_token": tokens["rho2"] / tokens["n"] - 1.0,
+        "rollout_corr/chi2_seq": sum(math.exp(2 * max(-20.0, min(20.0, s))) for _, _, s in rows) / n_seq - 1.0,
+    }
+
+
+def _offpolicy_inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(6, 9, generator=gen) * 3
+    train = rollout + torch.randn(6, 9, generator=gen) * 0.05
+    train[2, 3] = rollout[2, 3] + 25.0  # an outlier token: the clamps act
+    mask = torch.rand(6, 9, generator=gen) > 0.3
+    mask[:, 0] = True
+    return train, rollout, mask
+
+
+def test_offpolicy_metrics_equal_verls_formulas() -> None:
+    from fp8rl.algos import offpolicy_metrics, offpolicy_statistics
+
+    train, rollout, mask = _offpolicy_inputs()
+    ours = {k: float(v) for k, v in offpolicy_metrics(offpolicy_statistics(train, rollout, mask)).items()}
+    expected = _verl_offpolicy_by_hand(train.double(), rollout.double(), mask)
+    assert ours.keys() == expected.keys()
+    for key, value in expected.items():
+        assert ours[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def test_offpolicy_metrics_of_two_ranks_shares_equal_the_whole_batchs() -> None:
+    """Per-sequence vectors concatenated and token sums added (what the trainer's DP helpers do)."""
+    from fp8rl.algos import offpolicy_metrics, offpolicy_statistics
+
+    train, rollout, mask = _offpolicy_inputs(seed=1)
+    whole = offpolicy_metrics(offpolicy_statistics(train, rollout, mask))
+    halves = [offpolicy_statistics(train[rows], rollout[rows], mask[rows]) for rows in (slice(0, 3), slice(3, 6))]
+    combined = {
+        k: sum(h[k] for h in halves) if k == "token_sums" else torch.cat([h[k] for h in halves]) for k in halves[0]
+    }
+    for key, value in offpolicy_metrics(combined).items():
+        assert float(value) == pytest.approx(float(whole[key]), rel=1e-12), key

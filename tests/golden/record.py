@@ -7,7 +7,9 @@ commit.
 
 The runs are the demo's three arms (BF16, vanilla tensorwise FP8, FP8 + Calibrated Clipping; Calibrated Clipping
 recalibrates every 2 steps), 5 steps, seed 0, from a 200-step warm start, on a task small and a learning rate
-large enough that rewards vary and PPO's clip fires in 5 steps. Everything is computed in FP32
+large enough that rewards vary and PPO's clip fires in 5 steps; and the Calibrated Clipping arm on two gloo ranks
+(DP = 2, `torchrun`, one thread each: `DP_ARM`), which equals the one-process run only up to round-off and so has
+its own record. Everything is computed in FP32
 (`precision.compute` and the warm start), with 2 intra-op threads and the CPU kernels pinned (`KERNELS`) to the
 AVX2 code paths of ATen's vectorised kernels, torch.compile's C++ kernels, MKL and oneDNN, the ones every x86
 machine with AVX2 runs. So the comparison is exact. Without the pins the same seed drifts on another machine
@@ -41,6 +43,8 @@ KERNELS = {
 # Another machine's core count (used by --check-machine): one core, the same 2 threads.
 ONE_CORE = ("taskset", "-c", "0")
 ARMS = ("bf16", "fp8_tensorwise", "cc_tensorwise")
+DP_ARM, DP_RANKS = "cc_tensorwise", 2
+DP_KEY = f"{DP_ARM}_dp{DP_RANKS}"  # its key in the record
 STEPS = 5
 GOLDEN_OVERRIDES = (
     "precision.compute=fp32",
@@ -61,14 +65,15 @@ GOLDEN_OVERRIDES = (
 UNTIMED = ("time/", "system/")  # wall-clock metrics: not part of what a run computes
 
 
-def arm_overrides(arm: str, work: Path) -> list[str]:
+def arm_overrides(arm: str, work: Path, ranks: int = 1) -> list[str]:
     from fp8rl.demo import demo_overrides
 
-    places = [f"warmstart.cache_dir={work / 'warmstart'}", f"trainer.out_dir={work / arm}"]
-    return [*demo_overrides(arm, STEPS), *GOLDEN_OVERRIDES, *places]
+    places = [f"warmstart.cache_dir={work / 'warmstart'}", f"trainer.out_dir={work / f'{arm}-{ranks}'}"]
+    threads = [] if ranks == 1 else ["trainer.threads=1"]  # the machine's 2 cores, one per rank
+    return [*demo_overrides(arm, STEPS), *GOLDEN_OVERRIDES, *places, *threads]
 
 
-def run_arm(arm: str, work: Path) -> dict:
+def run_arm(arm: str, work: Path, ranks: int = 1) -> dict:
     """One arm: its config hash and {step: {metric: value}} (wall-clock metrics left out)."""
     from fp8rl.choices import validated
     from fp8rl.compose import compose_config
@@ -77,7 +82,7 @@ def run_arm(arm: str, work: Path) -> dict:
     from fp8rl.tracking import NullTracker
 
     (work / "warmstart").mkdir(parents=True, exist_ok=True)
-    cfg = validated(compose_config(arm_overrides(arm, work)))
+    cfg = validated(compose_config(arm_overrides(arm, work, ranks)))
     tracker = NullTracker()
     run_job(cfg, tracker=tracker)
     steps: dict[str, dict[str, float]] = {}
@@ -86,14 +91,18 @@ def run_arm(arm: str, work: Path) -> dict:
     return {"config_hash": config_hash(cfg), "steps": steps}
 
 
-def record(work: Path) -> dict:
-    """Every arm, in this process (its environment must hold `KERNELS`)."""
+def _require_kernels() -> None:
     missing = {k: v for k, v in KERNELS.items() if os.environ.get(k) != v}
     if missing:
         raise SystemExit(f"the golden record needs these kernel settings before torch starts: {missing}")
     from fp8rl._warnings import silence_expected_warnings
 
     silence_expected_warnings()
+
+
+def record(work: Path) -> dict:
+    """Every one-process arm, in this process (its environment must hold `KERNELS`)."""
+    _require_kernels()
     return {arm: run_arm(arm, work) for arm in ARMS}
 
 
@@ -102,6 +111,15 @@ def record_in_subprocess(out: Path, work: Path, prefix: tuple[str, ...] = ()) ->
     env = {**os.environ, **KERNELS}
     cmd = [*prefix, sys.executable, "-m", "tests.golden.record", "--in-process", "--out", str(out), "--work", str(work)]
     subprocess.run(cmd, cwd=REPO, env=env, check=True)
+    return json.loads(out.read_text())
+
+
+def record_data_parallel(out: Path, work: Path) -> dict:
+    """`DP_ARM` on `DP_RANKS` gloo ranks (torchrun, `KERNELS` set); returns {DP_KEY: its record}."""
+    env = {**os.environ, **KERNELS, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={DP_RANKS}"]
+    script = ["-m", "tests.golden.record", "--in-process", "--data-parallel", "--out", str(out), "--work", str(work)]
+    subprocess.run([*torchrun, *script], cwd=REPO, env=env, check=True)
     return json.loads(out.read_text())
 
 
@@ -132,16 +150,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=None, help="run folders and the warm start (default: a temp dir)")
     parser.add_argument("--check-machine", action="store_true", help="also record on one core; must be equal")
     parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--data-parallel", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.in_process and args.data_parallel:  # one rank of torchrun: rank 0 writes
+        _require_kernels()
+        result = {DP_KEY: run_arm(DP_ARM, args.work, DP_RANKS)}
+        if os.environ.get("RANK", "0") == "0":
+            args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        return
     if args.in_process:
         args.out.write_text(json.dumps(record(args.work), indent=1, sort_keys=True) + "\n")
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         result = record_in_subprocess(Path(tmp) / "steps.json", work / "here")
+        result.update(record_data_parallel(Path(tmp) / "dp.json", work / "here"))
         if args.check_machine:
             other = record_in_subprocess(Path(tmp) / "one-core.json", work / "one-core", ONE_CORE)
-            diff = differences(result, other)
+            diff = differences({arm: result[arm] for arm in ARMS}, other)
             if diff:
                 raise SystemExit("one core records another golden record:\n" + "\n".join(diff))
             print("one core (taskset -c 0, 2 threads) gives the same record bit for bit")
