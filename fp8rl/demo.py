@@ -109,6 +109,13 @@ def calibration_summary(events: list[CalibrationEvent]) -> str:
     return f"{len(events)} calibrations: " + ", ".join(f"{flag} {n}" for flag, n in counts.most_common())
 
 
+def arm_header(index: int, arm: str) -> str:
+    """``[demo 1/3] bf16`` in bold, as rich markup (the bracketed counter escaped: rich would read it as a tag)."""
+    from rich.markup import escape
+
+    return f"[bold]{escape(f'[demo {index}/{len(ARMS)}]')} {arm}[/bold]"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=15, help="RL steps per arm")
@@ -126,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     console = Console(soft_wrap=True)  # a pipe or a log file gets whole lines
     run_ids = {}
     for index, arm in enumerate(ARMS, start=1):
-        console.print(f"[bold][demo {index}/{len(ARMS)}] {arm}[/bold]")
+        console.print(arm_header(index, arm))
         cfg = validated(compose_config(demo_overrides(arm, args.steps)))
         run_ids[arm] = run_job(cfg).run_id
     uri = store.absolute_tracking_uri(cfg.tracking.tracking_uri)

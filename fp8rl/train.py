@@ -32,6 +32,26 @@ def resolve(cfg: DictConfig) -> RunConfig:
     return validated(from_dict(container))
 
 
+def unswept_axes(mode: str, sweep_params: dict, overrides: list[str]) -> list[str]:
+    """The axes of an experiment's sweep that a single run (no ``-m``) would silently leave at the base point:
+    those the command line does not set itself."""
+    if mode != "RUN" or not sweep_params:
+        return []
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return [axis for axis in sweep_params if axis.lstrip("+~") not in given]
+
+
+def check_single_run(hydra_cfg) -> None:
+    """Refuse an experiment run without ``-m`` whose sweep axes are not all pinned (it would train one point)."""
+    axes = unswept_axes(str(hydra_cfg.mode.name), dict(hydra_cfg.sweeper.params or {}), list(hydra_cfg.overrides.task))
+    if axes:
+        raise ConfigError(
+            f"this experiment sweeps {', '.join(axes)}, but without -m only its first point would train: add -m "
+            "(python -m fp8rl.train -m experiment=...), use `fp8rl sweep <experiment>`, or set every swept axis "
+            "on the command line to train one point"
+        )
+
+
 @hydra.main(version_base="1.3", config_path="../sweeps", config_name="config")
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -39,6 +59,7 @@ def main(cfg: DictConfig) -> None:
     from fp8rl.tracking import TrackingUnavailable
 
     try:
+        check_single_run(HydraConfig.get())
         run_cfg = resolve(cfg)
         from fp8rl.job import run_job
 

@@ -41,3 +41,16 @@ def test_calibrations_are_read_back_with_the_rules_that_fired(tmp_path: Path) ->
     assert events[1].line() == "  step 5: alpha_zero, p_unreachable -> bounds 0.720/1.190"
     assert calibration_summary(events) == "2 calibrations: ok 1, alpha_zero 1, p_unreachable 1"
     assert rule_legend(events)[1].startswith("  alpha_zero: BF16 clipped no negative token")
+
+
+def test_the_arm_header_shows_its_bracketed_counter() -> None:
+    """rich read ``[demo 1/3]`` as a markup tag and printed only the arm's name."""
+    import io
+
+    from rich.console import Console
+
+    from fp8rl.demo import arm_header
+
+    console = Console(file=io.StringIO(), soft_wrap=True)
+    console.print(arm_header(1, "bf16"))
+    assert console.file.getvalue() == "[demo 1/3] bf16\n"
