@@ -307,6 +307,11 @@ class TaskConfig:
     eval_paths: dict[str, str] = option({}, "math: benchmark -> local file or folder (default: the hub id)")
     chat_template: bool = option(True, "math: prompt with the tokenizer's chat template (false = raw prompt)")
     max_response_tokens: int | None = option(None, "math: response limit in tokens (None = the task's default)")
+    overlong_prompts: str = option(
+        "refuse",
+        "math: prompts too long for the trainer's sequence with the response limit: refuse (before anything is "
+        "built; the count and longest named) or filter (dropped, the count logged)",
+    )
     min_operands: int = option(4, "chain: fewest operands of a sum (its response lists the running sums)")
     max_operands: int = option(9, "chain: most operands of a sum")
     junk_tokens: int = option(16, "chain: vocabulary tokens that no prompt or answer uses (mass can leak there)")

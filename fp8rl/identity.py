@@ -49,6 +49,7 @@ HASH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "task.eval_paths": ({},),
     "task.chat_template": (True,),
     "task.max_response_tokens": (None,),
+    "task.overlong_prompts": ("refuse",),  # runs before it had no prompt too long (those could not run)
     "eval.samples": (1,),
     "eval.temperature": (0.6,),
     "eval.top_p": (0.95,),

@@ -248,6 +248,10 @@ def build_parts(cfg: RunConfig, layout: ParallelLayout, dp: DataParallel, device
     """Every part of the run, and a one-line description of where the policy starts from."""
     hf_folder = None if cfg.model.hf_path is None else checkpoint_folder(cfg.model.hf_path)
     task = build_task(task_for_layout(cfg, layout), hf_folder)
+    if hasattr(task, "fit_prompts"):  # math: prompts of any length (the arithmetic tasks' are short by construction)
+        dropped = task.fit_prompts(layout.max_seq_len)
+        if any(dropped.values()):
+            log.warning("dropped prompts too long for the sequence (task.overlong_prompts=filter): %s", dropped)
     weights = start_weights(cfg, task, hf_folder)
     policy, optimizer = build_policy(cfg, weights, layout, layout.world_size, device)
     plan = plan_precision(cfg.precision)

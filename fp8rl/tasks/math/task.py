@@ -37,12 +37,18 @@ DEFAULT_MAX_RESPONSE_TOKENS = 1024  # task.max_response_tokens=None (the paper: 
 REWARD_TIMEOUT_S = 5.0  # wall-clock bound per verified response
 
 
+OVERLONG_PROMPT_POLICIES = ("refuse", "filter")
+
+
 def check_math_config(cfg: TaskConfig) -> None:
     """The math task's own config check (registry names are checked by fp8rl.choices)."""
     if cfg.dataset is None:
         raise ValueError("task.name=math needs task.dataset (dapo_math_17k or deepscaler)")
     for name in [cfg.dataset, *cfg.eval_sets]:
         get_source(name)  # raises with the valid names
+    if cfg.overlong_prompts not in OVERLONG_PROMPT_POLICIES:
+        valid = list(OVERLONG_PROMPT_POLICIES)
+        raise ValueError(f"task.overlong_prompts={cfg.overlong_prompts!r}; choose one of {valid}")
     if cfg.max_response_tokens is not None and cfg.max_response_tokens < 1:
         raise ValueError(f"task.max_response_tokens={cfg.max_response_tokens}; use at least 1")
 
@@ -181,6 +187,35 @@ class MathTask:
             name: load_task_problems(name, cfg.eval_paths.get(name)) for name in cfg.eval_sets
         }
         refuse_empty_sets(cfg, self.train_problems, self.eval_sets)
+
+    def fit_prompts(self, max_seq_len: int) -> dict[str, int]:
+        """Keep the prompts that leave the response limit room in the trainer's sequence of `max_seq_len` tokens:
+        ``task.overlong_prompts=refuse`` raises (with the count and the longest), ``filter`` drops them. Returns
+        the count dropped per set ("train", each benchmark)."""
+        limit = max_seq_len - self.max_response_tokens
+        if limit < 1:
+            raise ValueError(
+                f"the trainer's sequence ({max_seq_len} tokens) leaves no room for a prompt after the response limit "
+                f"({self.max_response_tokens}): lower task.max_response_tokens or raise parallel.max_seq_len"
+            )
+        sets = {"train": self.train_problems, **self.eval_sets}
+        lengths = {name: [len(self.prompt_ids(p)) for p in problems] for name, problems in sets.items()}
+        over = {name: sum(n > limit for n in values) for name, values in lengths.items()}
+        if any(over.values()) and self.cfg.overlong_prompts == "refuse":
+            longest = max(max(values, default=0) for values in lengths.values())
+            counts = ", ".join(f"{name} {n}" for name, n in over.items() if n)
+            raise ValueError(
+                f"prompts longer than {limit} tokens (parallel.max_seq_len {max_seq_len} - response limit "
+                f"{self.max_response_tokens}): {counts}; the longest has {longest}. Set task.overlong_prompts=filter "
+                "to drop them, lower task.max_response_tokens, or raise parallel.max_seq_len"
+            )
+        self.train_problems = [p for p, n in zip(self.train_problems, lengths["train"], strict=True) if n <= limit]
+        self.eval_sets = {
+            name: [p for p, n in zip(problems, lengths[name], strict=True) if n <= limit]
+            for name, problems in self.eval_sets.items()
+        }
+        refuse_empty_sets(self.cfg, self.train_problems, self.eval_sets)
+        return over
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """Token ids of the prompt: one user message in the chat template with the generation prompt, or the

@@ -185,3 +185,29 @@ def test_empty_problem_sets_are_refused_instead_of_failing_later_or_scoring_nan(
         refuse_empty_sets(cfg, [], {})
     with pytest.raises(ValueError, match=r"task.eval_sets: aime24 from .* holds no problems"):
         refuse_empty_sets(cfg, ["a problem"], {"aime24": []})
+
+
+def test_prompts_too_long_for_the_sequence_are_refused_with_the_count_and_the_longest(mini_assets):
+    task = math_task(mini_assets, eval_sets=("aime24",), max_response_tokens=16)
+    lengths = sorted(len(task.prompt_ids(p)) for p in task.train_problems)
+    max_seq_len = lengths[len(lengths) // 2] + 16  # half the training prompts fit
+    with pytest.raises(ValueError, match=r"prompts longer than \d+ tokens .*train \d+.*the longest has \d+.*filter"):
+        task.fit_prompts(max_seq_len)
+
+
+def test_filtered_prompts_are_dropped_and_counted(mini_assets):
+    task = math_task(mini_assets, eval_sets=("aime24",), max_response_tokens=16, overlong_prompts="filter")
+    before = len(task.train_problems)
+    lengths = sorted(len(task.prompt_ids(p)) for p in task.train_problems)
+    limit = lengths[len(lengths) // 2]
+    dropped = task.fit_prompts(limit + 16)
+    assert dropped["train"] == sum(n > limit for n in lengths) > 0
+    assert len(task.train_problems) == before - dropped["train"]
+    assert all(len(task.prompt_ids(p)) <= limit for p in task.train_problems)
+    with pytest.raises(ValueError, match="no room for a prompt"):
+        task.fit_prompts(16)
+
+
+def test_an_unknown_overlong_prompt_policy_is_refused(mini_assets):
+    with pytest.raises(ValueError, match=r"task.overlong_prompts='truncate'.*refuse"):
+        math_task(mini_assets, overlong_prompts="truncate")
