@@ -195,7 +195,7 @@ def build_engine(cfg: RunConfig, policy: Policy, model_cfg: ModelConfig, task: T
     from fp8rl.rollout.vllm_engine import VllmEngine
 
     return VllmEngine(
-        policy.module,
+        policy,  # the whole model is exported (gathered over TP and PP), not this rank's shard
         model_cfg,
         task.tokenizer.pad_id,
         recipe=plan.rollout_recipe,

@@ -274,6 +274,18 @@ def vllm_engine_args(
     return args
 
 
+def whole_model_state(model: torch.nn.Module | Policy) -> torch.nn.Module | dict[str, torch.Tensor]:
+    """What a Hugging Face export of the whole policy reads: a one-rank model itself, or (TP or PP > 1) its shards
+    gathered on every rank (`Policy.full_state_dict`, a collective) under the one-rank names. A shard exported as
+    it is would be split again with the full head counts, and vLLM's start would fail."""
+    if not isinstance(model, Policy):
+        return model
+    if model.layout.tp == 1 and model.layout.pp == 1:
+        return model.module
+    state = {k.removeprefix("module."): v for k, v in model.full_state_dict().items()}
+    return local_names(model.module, state)
+
+
 class VllmEngine:
     """Samples with vLLM from an exported copy of the trainer's model; `sync_weights` pushes updates.
 
@@ -289,7 +301,7 @@ class VllmEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Policy,
         model_cfg: ModelConfig,
         pad_id: int,
         *,
@@ -356,7 +368,7 @@ class VllmEngine:
         # CPU: fp32 on disk, the engine casts (and FP8-quantizes) from the master weights, as on each push.
         # CUDA: the engine's dtype (the TE trainer's BF16 parameters are what every later push carries).
         save_dtype = torch.float32 if device == "cpu" or dtype == "float32" else getattr(torch, dtype)
-        save_hf_checkpoint(model, model_cfg, self.model_dir, tokenizer=tokenizer, dtype=save_dtype)
+        save_hf_checkpoint(whole_model_state(model), model_cfg, self.model_dir, tokenizer=tokenizer, dtype=save_dtype)
         vllm = import_vllm()
         self.max_model_len = self.engine_args["max_model_len"]
         self.sleep_mode = bool(self.engine_args.get("enable_sleep_mode"))
@@ -468,13 +480,10 @@ class VllmEngine:
 
     def _hf_weights(self, model: torch.nn.Module | Policy):
         """(HF name, tensor) pairs of the policy's whole current weights: views of a one-rank model's
-        tensors, or the shards gathered over TP and PP (`Policy.full_state_dict`)."""
-        if not isinstance(model, Policy):
-            return hf_weights(model, self.model_cfg)
-        if model.layout.tp == 1 and model.layout.pp == 1:
-            return hf_weights(model.module, self.model_cfg)
-        state = {k.removeprefix("module."): v for k, v in model.full_state_dict().items()}
-        return iter_hf_tensors(local_names(model.module, state), self.model_cfg)
+        tensors, or the shards gathered over TP and PP (`whole_model_state`)."""
+        if not isinstance(model, Policy) or (model.layout.tp == 1 and model.layout.pp == 1):
+            return hf_weights(model.module if isinstance(model, Policy) else model, self.model_cfg)
+        return iter_hf_tensors(whole_model_state(model), self.model_cfg)
 
     def sync_weights(self, model: torch.nn.Module | Policy) -> float:
         """Load the policy's current weights into the engine and reset its prefix cache; returns the seconds."""

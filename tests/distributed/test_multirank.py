@@ -168,3 +168,16 @@ def test_emulated_fp8_under_tensor_parallelism_reduces_the_sharded_amaxes(workdi
     torch.testing.assert_close(tp2["rows"]["rollout_logp"], one["rows"]["rollout_logp"], atol=2e-3, rtol=0)
     # the loss averages ratios whose log-probs agree to 2e-3 (an FP8 step): measured 2.1e-3 relative (token-mean)
     assert tp2["metrics"]["actor/pg_loss"] == pytest.approx(one["metrics"]["actor/pg_loss"], rel=5e-3)
+
+
+def test_the_vllm_engines_first_checkpoint_of_a_tensor_parallel_policy_is_the_whole_model(workdir: Path) -> None:
+    """A TP = 2 policy exports its gathered weights (the engine used to export the rank's shard, which vLLM's
+    start splits again with the full head counts): the same tensors as the one-process export."""
+    from safetensors.torch import load_file
+
+    torchrun(1, "hf-export", str(workdir / "export-tp1"))
+    torchrun(2, "hf-export", str(workdir / "export-tp2"), "parallel.tensor_parallel=2")
+    one, two = (load_file(str(workdir / name / "hf" / "model.safetensors")) for name in ("export-tp1", "export-tp2"))
+    assert one.keys() == two.keys()
+    for name, tensor in one.items():
+        assert two[name].shape == tensor.shape and torch.equal(two[name], tensor), name

@@ -4,6 +4,8 @@
                                                the step's rollouts and rewards (all DP ranks, in global order),
                                                its metrics, the updated full model, the clip bounds
     worker.py run OUT [overrides ...]          `fp8rl.job.run_job` (tracking off); rank 0 writes the history
+    worker.py hf-export OUT [overrides ...]    the vLLM engine's first checkpoint of the policy (every rank
+                                               gathers; rank 0 writes OUT/hf/model.safetensors)
 
 The same script with one process gives the reference (DP = TP = PP = 1).
 """
@@ -102,6 +104,22 @@ def run(out: Path, overrides: list[str]) -> None:
         (out / name).write_text(json.dumps({"steps_done": summary.steps_done, "history": history}))
 
 
+def hf_export(out: Path, overrides: list[str]) -> None:
+    """What `VllmEngine` writes before vLLM starts, from this layout's policy (no vLLM needed)."""
+    from fp8rl.job import build_trainer
+    from fp8rl.job.distributed import dist_env_from_environ, init_distributed
+    from fp8rl.models.hf import save_hf_checkpoint
+    from fp8rl.rollout.vllm_engine import whole_model_state
+
+    init_distributed(dist_env_from_environ())
+    trainer = build_trainer(config(out, overrides))
+    state = whole_model_state(trainer.policy)  # a collective under TP / PP
+    if int(os.environ.get("RANK", "0")) == 0:
+        save_hf_checkpoint(state, trainer.policy.cfg, out / "hf")
+    if dist.is_initialized():
+        dist.barrier()
+
+
 if __name__ == "__main__":
     mode, out, *rest = sys.argv[1:]
-    {"first-step": first_step, "run": run}[mode](Path(out), rest)
+    {"first-step": first_step, "run": run, "hf-export": hf_export}[mode](Path(out), rest)

@@ -609,6 +609,31 @@ def test_te_fp8_pass_is_switched_per_block_and_restored(tiny_model, tiny_cfg, re
 
 @pytest.mark.gpu
 @needs_te
+def test_an_fp8_pass_after_a_weight_change_uses_the_new_weights(tiny_model, tiny_cfg) -> None:
+    """TE's FP8 weight cache (item: stale FP8 weights): after the weights change, an FP8 forward equals that of a
+    freshly built TE model loaded with the changed weights (with megatron's is_first_microbatch=False it would
+    reuse the first pass's FP8 weights)."""
+    from fp8rl.models.autocast import fp8_recipe_block
+    from fp8rl.models.logprobs import forward_logits
+
+    te_model = _te_copy_of(tiny_model, tiny_cfg)
+    ids, mask = _batch("cuda")
+    with torch.no_grad():
+        with fp8_recipe_block(te_model, "tensorwise"):
+            forward_logits(te_model, ids, mask)  # the first FP8 pass (TE would cache its FP8 weights)
+        for param in te_model.parameters():
+            param.mul_(1.5)  # what an optimizer step does, large enough to move every FP8 code
+        with fp8_recipe_block(te_model, "tensorwise"):
+            after = forward_logits(te_model, ids, mask).float()
+        fresh = _te_copy_of(tiny_model, tiny_cfg)
+        fresh.load_state_dict(te_model.state_dict())
+        with fp8_recipe_block(fresh, "tensorwise"):
+            expected = forward_logits(fresh, ids, mask).float()
+    assert torch.equal(after, expected)
+
+
+@pytest.mark.gpu
+@needs_te
 def test_megatron_optimizer_skips_a_step_with_nan_gradients(tiny_model, tiny_cfg) -> None:
     from fp8rl.models.te_backend import policy_optimizer
 
