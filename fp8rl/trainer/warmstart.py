@@ -300,6 +300,8 @@ def main(config_path: str) -> None:
     from fp8rl.tasks import build_task
 
     cfg = from_dict(json.loads(Path(config_path).read_text()))
+    if cfg.trainer.threads:  # as the job's process does (fp8rl.job.process): the numbers depend on it
+        torch.set_num_threads(cfg.trainer.threads)
     init_megatron(seed=cfg.warmstart.seed)
     task = build_task(cfg.task)
     warmstart(get_model_config(cfg.model.preset), task, cfg.task, cfg.warmstart)

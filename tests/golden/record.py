@@ -114,8 +114,23 @@ def record_in_subprocess(out: Path, work: Path, prefix: tuple[str, ...] = ()) ->
     return json.loads(out.read_text())
 
 
+def prepare_warmstart(work: Path) -> None:
+    """The arms' warm start, trained in one process on 2 threads (as the one-process arms train it) unless cached:
+    a job of several ranks would train it in a process of its own on 1 thread, another warm start."""
+    from fp8rl.compose import compose_config
+    from fp8rl.config import to_dict
+
+    (work / "warmstart").mkdir(parents=True, exist_ok=True)
+    config = work / "warmstart-config.json"
+    config.write_text(json.dumps(to_dict(compose_config(arm_overrides(DP_ARM, work)))))
+    env = {**os.environ, **KERNELS}
+    subprocess.run([sys.executable, "-m", "fp8rl.trainer.warmstart", str(config)], cwd=REPO, env=env, check=True)
+
+
 def record_data_parallel(out: Path, work: Path) -> dict:
-    """`DP_ARM` on `DP_RANKS` gloo ranks (torchrun, `KERNELS` set); returns {DP_KEY: its record}."""
+    """`DP_ARM` on `DP_RANKS` gloo ranks (torchrun, `KERNELS` set) from `prepare_warmstart`'s warm start; returns
+    {DP_KEY: its record}."""
+    prepare_warmstart(work)
     env = {**os.environ, **KERNELS, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={DP_RANKS}"]
     script = ["-m", "tests.golden.record", "--in-process", "--data-parallel", "--out", str(out), "--work", str(work)]
