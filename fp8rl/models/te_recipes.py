@@ -93,8 +93,9 @@ def check_backend_supports(recipe_name: Fp8Recipe | str | None, backend: str) ->
         )
     if backend == "te" and recipe.scaling == "delayed" and recipe.pow2_scale:
         raise ValueError(
-            "Transformer Engine's DelayedScaling has no power-of-two scales: use scaling=current with pow2_scale "
-            "(Float8CurrentScaling, NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1), or pow2_scale=False"
+            "Transformer Engine's DelayedScaling has no power-of-two scales: use precision.scaling=current with "
+            "precision.pow2_scale=true (Float8CurrentScaling, NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1), or "
+            "precision.pow2_scale=false"
         )
 
 
@@ -145,8 +146,7 @@ def torchao_config_kwargs(recipe: Fp8Recipe | str) -> dict[str, Any]:
     ``granularity``: "tensorwise" / "axiswise" for input, weight and grad_output (torchao's ROWWISE recipe
     scales all three axiswise, i.e. 1 x K along the GEMM's reduction dim, as the emulator's rowwise);
     ``grad_output_dtype``: "e4m3" ("e4m3" recipes) or "e5m2" ("hybrid"); ``round_scales_to_power_of_2``:
-    the recipe's pow2_scale (torchao's own ROWWISE recipe sets it True: the paper's trainer is
-    ``get_recipe("rowwise", pow2_scale=True)``).
+    the recipe's pow2_scale (torchao's own ROWWISE recipe sets it True, as fp8rl's rowwise preset does).
     """
     recipe = get_recipe(recipe)
     check_backend_supports(recipe, "torchao")

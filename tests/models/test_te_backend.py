@@ -223,6 +223,8 @@ def test_torchao_configs_equal_torchaos_own_recipes() -> None:
 
     from fp8rl.models.te_recipes import to_torchao_config
 
+    assert to_torchao_config("rowwise") == Float8LinearConfig.from_recipe_name("rowwise")  # the presets
+    assert to_torchao_config("tensorwise") == Float8LinearConfig.from_recipe_name("tensorwise")
     assert to_torchao_config(get_recipe("rowwise", pow2_scale=True)) == Float8LinearConfig.from_recipe_name("rowwise")
     assert to_torchao_config(get_recipe("tensorwise", fmt="hybrid")) == Float8LinearConfig.from_recipe_name(
         "tensorwise"
