@@ -44,7 +44,7 @@ from fp8rl.tasks.base import Problem, Task, garble_metrics
 CACHE_FORMAT_VERSION = 2  # bump when the training recipe or the file layout changes meaning
 # Fields added after format 2 was cached: left out of the key at their neutral value (identity.HASH_NEUTRAL), so
 # warm starts cached before they existed keep their key.
-ADDED_TASK_FIELDS = ("min_operands", "max_operands", "junk_tokens")
+ADDED_TASK_FIELDS = ("min_operands", "max_operands", "junk_tokens", "overlong_prompts")
 ADDED_WARMSTART_FIELDS = ("stop_accuracy", "check_every")
 
 
