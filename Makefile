@@ -52,10 +52,10 @@ test-fast: setup
 
 lint: setup
 	$(PY) -m ruff check fp8rl tests benchmarks
-	$(PY) -m fp8rl.docs README.md --check
+	$(PY) -m fp8rl.docs docs/configuration.md docs/metrics.md --check
 
 docs: setup
-	$(PY) -m fp8rl.docs README.md --write
+	$(PY) -m fp8rl.docs docs/configuration.md docs/metrics.md --write
 
 demo: setup
 	$(PY) -m fp8rl.demo

@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
-    """A config field with its one-line help (shown by ``make docs`` in the README's option tables)."""
+    """A config field with its one-line help (shown by ``make docs`` in docs/configuration.md)."""
     if isinstance(default, dict):
         frozen = dict(default)
         return field(default_factory=lambda: dict(frozen), metadata={"help": help}, **kwargs)

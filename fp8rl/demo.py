@@ -44,7 +44,7 @@ SUMMARY = (
     Column("s/step", "time/step", "mean", "{:.2f}"),
 )
 WHAT_TO_LOOK_AT = """\
-What to look at (every key is explained in the README's metric glossary):
+What to look at (every key is explained in docs/metrics.md):
 - clip/low_neg: the share of negative-advantage tokens whose gradient PPO's clip zeroes. FP8 noise in both
   log-probs inflates it (vanilla FP8 vs BF16); Calibrated Clipping aims to bring it back to BF16's.
 - the BF16 shadow: on shadow steps both FP8 arms recompute the ratios in BF16 on the same tokens.

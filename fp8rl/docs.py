@@ -1,12 +1,12 @@
-"""Generate the README's option tables from the config dataclasses, and its metric glossary from
-`fp8rl.tracking.glossary` (one source of truth each).
+"""Generate the option tables (docs/configuration.md) from the config dataclasses, and the metric glossary
+(docs/metrics.md) from `fp8rl.tracking.glossary` (one source of truth each).
 
 Each option's default and help come from its field (`fp8rl.config.option`); the ``scale=tiny`` and
 ``scale=paper`` columns show what those scales actually run with (the config composed through Hydra, as
 ``python -m fp8rl.train scale=...`` does), where they differ from the default.
 
-``python -m fp8rl.docs README.md --check`` fails when the README's tables are stale or a block is missing;
-``python -m fp8rl.docs README.md --write`` rewrites the blocks between the markers (``make docs``).
+``python -m fp8rl.docs FILE... --check`` fails when a file's generated block is stale or it has none;
+``python -m fp8rl.docs FILE... --write`` rewrites the blocks between the markers (``make docs``).
 """
 
 from __future__ import annotations
@@ -64,35 +64,37 @@ def _replace_block(readme: str, begin: str, end: str, body: str) -> str:
     return f"{head}{begin}\n{body}{end}{tail}"
 
 
-def render(readme: str) -> str:
-    """`readme` with its option tables and (where its markers are) its metric glossary regenerated."""
+def render(text: str) -> str:
+    """`text` with every generated block it has (option tables, metric glossary) regenerated."""
     from fp8rl.tracking.glossary import glossary_markdown
 
-    if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"README has no {BEGIN} ... {END} block")
-    readme = _replace_block(readme, BEGIN, END, options_markdown())
-    if METRICS_BEGIN in readme and METRICS_END in readme:
-        readme = _replace_block(readme, METRICS_BEGIN, METRICS_END, glossary_markdown())
-    return readme
+    if BEGIN in text and END in text:
+        text = _replace_block(text, BEGIN, END, options_markdown())
+    if METRICS_BEGIN in text and METRICS_END in text:
+        text = _replace_block(text, METRICS_BEGIN, METRICS_END, glossary_markdown())
+    return text
+
+
+def has_block(text: str) -> bool:
+    return any(begin in text and end in text for begin, end in ((BEGIN, END), (METRICS_BEGIN, METRICS_END)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("readme", type=Path)
+    parser.add_argument("files", type=Path, nargs="+")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true")
     mode.add_argument("--write", action="store_true")
     args = parser.parse_args()
-    current = args.readme.read_text()
-    if METRICS_BEGIN not in current or METRICS_END not in current:
-        sys.exit(
-            f"{args.readme}: no metric glossary; add the lines {METRICS_BEGIN} and {METRICS_END}, then `make docs`"
-        )
-    wanted = render(current)
-    if args.write:
-        args.readme.write_text(wanted)
-    elif current != wanted:
-        sys.exit(f"{args.readme}: option tables or metric glossary are stale; run `make docs`")
+    for path in args.files:
+        current = path.read_text()
+        if not has_block(current):
+            sys.exit(f"{path}: no generated block; add {BEGIN} ... {END} or {METRICS_BEGIN} ... {METRICS_END}")
+        wanted = render(current)
+        if args.write:
+            path.write_text(wanted)
+        elif current != wanted:
+            sys.exit(f"{path}: option tables or metric glossary are stale; run `make docs`")
 
 
 if __name__ == "__main__":

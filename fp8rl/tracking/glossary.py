@@ -1,9 +1,9 @@
-"""What every logged metric means: one line per key (or key pattern), the one source of the README's glossary.
+"""What every logged metric means: one line per key (or key pattern), the one source of docs/metrics.md.
 
 Keys are MLflow metric names as the trainer logs them. A pattern holds ``<placeholders>`` that each stand
 for one name part without a slash: ``eval/<set>/avg_at_<k>`` covers ``eval/heldout/avg_at_1``. A test
 trains a step of every kind of run and fails on a logged key with no line here; ``make docs`` writes the
-glossary into the README (`fp8rl.docs`).
+glossary into docs/metrics.md (`fp8rl.docs`).
 
 Conventions: "share" is a fraction in [0, 1]; ratios are pi_theta / pi_old per token; "negative tokens" are
 the masked response tokens whose advantage A < 0; step metrics are means over the step's mini-batches.
@@ -193,7 +193,7 @@ STUDIES = {  # the one-step mechanism study (fp8rl.studies.mechanism), logged to
     "cc/<clip metric>": "mechanism study: the clip/<clip metric> diagnostic measured with the calibrated bounds",
 }
 
-SECTIONS = {  # README heading -> entries
+SECTIONS = {  # docs/metrics.md heading -> entries
     "rollout": ROLLOUT,
     "actor": ACTOR,
     "clip (clipping, BF16 shadow, Calibrated Clipping)": CLIP,
@@ -236,7 +236,7 @@ def _cell(text: str) -> str:
 
 
 def glossary_markdown() -> str:
-    """The glossary as Markdown tables, one per section (the README block `make docs` writes)."""
+    """The glossary as Markdown tables, one per section (the docs/metrics.md block `make docs` writes)."""
     lines = []
     for heading, entries in SECTIONS.items():
         lines += [f"**{heading}**", "", "| metric | meaning |", "|---|---|"]
