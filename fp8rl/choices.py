@@ -22,7 +22,7 @@ from fp8rl.algos import (
 from fp8rl.config import ConfigError, RunConfig
 from fp8rl.models.config import model_preset_names
 from fp8rl.models.te_recipes import check_backend_supports
-from fp8rl.quant.recipes import AMAX_COMPUTE_ALGOS, FORMAT_MODES, RECIPE_NAMES, SCALING_MODES, get_recipe
+from fp8rl.quant.recipes import AMAX_COMPUTE_ALGOS, FORMAT_MODES, RECIPE_NAMES, SCALING_MODES, recipe_of
 from fp8rl.rollout.base import ROLLOUT_ENGINES
 from fp8rl.tasks import check_task_config, dataset_names, task_names
 
@@ -70,9 +70,7 @@ def check_choices(cfg: RunConfig) -> None:
     try:
         check_task_config(cfg.task)
         if cfg.precision.mode != "bf16":
-            p = cfg.precision
-            recipe = get_recipe(p.recipe, fmt=p.fmt, pow2_scale=p.pow2_scale, scaling=p.scaling)
-            check_backend_supports(recipe, p.backend)
+            check_backend_supports(recipe_of(cfg.precision), cfg.precision.backend)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 

@@ -16,7 +16,7 @@ from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from fp8rl.config import ConfigError, RunConfig, flatten, from_dict, section_types, to_dict
-from fp8rl.quant.recipes import get_recipe, legacy_pow2_scale
+from fp8rl.quant.recipes import legacy_pow2_scale, recipe_of
 
 # Fields that change where or how a run is stored or how fast it runs, not what it computes.
 HASH_EXCLUDED = (
@@ -91,7 +91,7 @@ def resolved_recipe(cfg: RunConfig) -> dict[str, Any]:
     p = cfg.precision
     if p.mode == "bf16":
         return {"precision.fmt": p.fmt or "e4m3", "precision.pow2_scale": None}
-    recipe = get_recipe(p.recipe, fmt=p.fmt, pow2_scale=p.pow2_scale)
+    recipe = recipe_of(p)
     pow2 = None if recipe.pow2_scale == legacy_pow2_scale(p.recipe) else recipe.pow2_scale
     return {"precision.fmt": recipe.fmt, "precision.pow2_scale": pow2}
 

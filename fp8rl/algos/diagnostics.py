@@ -32,6 +32,7 @@ from fp8rl.algos.masked import (
     masked_fraction,
     masked_mean,
     masked_quantiles,
+    masked_sum,
     safe_div,
 )
 
@@ -222,20 +223,19 @@ def offpolicy_statistics(
     (concatenated over ranks) and token sums (summed over ranks). Log-probs (batch, response_len)."""
     mask = as_bool_mask(response_mask)
     train, rollout = at_least_float32(logp_train).double(), at_least_float32(logp_rollout).double()
-    zero = torch.zeros((), dtype=torch.float64, device=train.device)
-    log_ratio = torch.where(mask, train - rollout, zero)
+    log_ratio = train - rollout
     count = mask.sum(-1).double()
     rho = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
     return {
-        "seq_mean_logp_train": torch.where(mask, train, zero).sum(-1) / (count + 1e-8),  # verl_F.masked_mean
-        "seq_mean_logp_rollout": torch.where(mask, rollout, zero).sum(-1) / (count + 1e-8),
-        "seq_log_ratio_sum": log_ratio.sum(-1),
+        "seq_mean_logp_train": masked_sum(train, mask, -1) / (count + 1e-8),  # verl_F.masked_mean's divisor
+        "seq_mean_logp_rollout": masked_sum(rollout, mask, -1) / (count + 1e-8),
+        "seq_log_ratio_sum": masked_sum(log_ratio, mask, -1),
         "token_sums": torch.stack(
             [
                 count.sum(),
-                torch.where(mask, rollout - train, zero).sum(),  # kl
-                torch.where(mask, torch.exp(log_ratio) - log_ratio - 1, zero).sum(),  # k3 (unclamped, as verl)
-                torch.where(mask, rho.square(), zero).sum(),  # chi2_token
+                masked_sum(-log_ratio, mask),  # kl
+                masked_sum(torch.exp(log_ratio) - log_ratio - 1, mask),  # k3 (unclamped, as verl)
+                masked_sum(rho.square(), mask),  # chi2_token
             ]
         ),
     }

@@ -34,6 +34,7 @@ can differ (tests/quant/test_torchao_recipes.py measures both).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 RECIPE_NAMES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 FORMAT_MODES = ("e4m3", "hybrid")
@@ -125,6 +126,21 @@ def get_recipe(name: str | Fp8Recipe, fmt: str | None = None, **overrides: objec
         changes = {k: v for k, v in {"fmt": fmt, **overrides}.items() if v is not None}
         return replace(name, **changes) if changes else name
     return Fp8Recipe(name=name, fmt=fmt, **overrides)  # type: ignore[arg-type]
+
+
+def recipe_of(precision: Any) -> Fp8Recipe:
+    """The recipe a precision config names (fp8rl.config.PrecisionConfig, read by field name: this module imports
+    no config): the name's preset with the config's overrides and delayed-scaling settings."""
+    p = precision
+    return get_recipe(
+        p.recipe,
+        fmt=p.fmt,
+        pow2_scale=p.pow2_scale,
+        scaling=p.scaling,
+        margin=p.margin,
+        amax_history_len=p.amax_history_len,
+        amax_compute_algo=p.amax_compute_algo,
+    )
 
 
 def legacy_pow2_scale(name: str) -> bool:

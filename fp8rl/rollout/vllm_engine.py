@@ -481,9 +481,10 @@ class VllmEngine:
     def _hf_weights(self, model: torch.nn.Module | Policy):
         """(HF name, tensor) pairs of the policy's whole current weights: views of a one-rank model's
         tensors, or the shards gathered over TP and PP (`whole_model_state`)."""
-        if not isinstance(model, Policy) or (model.layout.tp == 1 and model.layout.pp == 1):
-            return hf_weights(model.module if isinstance(model, Policy) else model, self.model_cfg)
-        return iter_hf_tensors(whole_model_state(model), self.model_cfg)
+        state = whole_model_state(model)
+        if isinstance(state, torch.nn.Module):
+            return hf_weights(state, self.model_cfg)
+        return iter_hf_tensors(state, self.model_cfg)
 
     def sync_weights(self, model: torch.nn.Module | Policy) -> float:
         """Load the policy's current weights into the engine and reset its prefix cache; returns the seconds."""

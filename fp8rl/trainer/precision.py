@@ -20,7 +20,8 @@ import torch
 from fp8rl.config import PrecisionConfig
 from fp8rl.models.autocast import fp8_recipe_block
 from fp8rl.models.gpt import compute_precision
-from fp8rl.quant import Fp8Recipe, get_recipe
+from fp8rl.quant import Fp8Recipe
+from fp8rl.quant.recipes import recipe_of
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,6 @@ class PrecisionPlan:
     rollout_recipe: Fp8Recipe | None
     train_recipe: Fp8Recipe | None
     compute: str = "bf16"
-
-
-def recipe_of(cfg: PrecisionConfig) -> Fp8Recipe:
-    """The FP8 recipe the config names, with its delayed-scaling settings."""
-    delayed = {"amax_history_len": cfg.amax_history_len, "amax_compute_algo": cfg.amax_compute_algo}
-    return get_recipe(
-        cfg.recipe, fmt=cfg.fmt, pow2_scale=cfg.pow2_scale, scaling=cfg.scaling, margin=cfg.margin, **delayed
-    )
 
 
 def plan_precision(cfg: PrecisionConfig) -> PrecisionPlan:

@@ -9,15 +9,13 @@ approximately (`fp8rl.trainer.loop.combine_shares`) and are not compared.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.golden.record import KERNELS
+from tests.golden.record import torchrun_command, torchrun_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -28,12 +26,15 @@ WEIGHT_TOLERANCE = 1e-6
 
 
 def torchrun(ranks: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    # The golden record's pinned kernels (AVX2 code paths): with AVX-512 MKL picks GEMM kernels by the row count,
+    # On the golden record's pinned kernels (AVX2 code paths): with AVX-512 MKL picks GEMM kernels by the row count,
     # so a rank's half batch and the whole one round differently (measured here: 2e-6 in rollout log-probs).
-    env = {**os.environ, **KERNELS, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [*command, str(WORKER), *args], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT
+        [*torchrun_command(ranks), str(WORKER), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=torchrun_env(),
+        cwd=ROOT,
     )
     if check and done.returncode != 0:
         pytest.fail(f"torchrun {' '.join(args)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}")
@@ -140,12 +141,13 @@ def test_the_training_command_under_torchrun_logs_one_mlflow_run(tmp_path: Path,
         "trainer.export_every=2",
         *layout,
     ]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    # The golden record's pinned kernels (AVX2 code paths): with AVX-512 MKL picks GEMM kernels by the row count,
-    # so a rank's half batch and the whole one round differently (measured here: 2e-6 in rollout log-probs).
-    env = {**os.environ, **KERNELS, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [*command, "-m", "fp8rl.train", *overrides], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT
+        [*torchrun_command(2), "-m", "fp8rl.train", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=torchrun_env(),
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-6000:]
     client = MlflowClient(uri)

@@ -131,11 +131,19 @@ def record_data_parallel(out: Path, work: Path) -> dict:
     """`DP_ARM` on `DP_RANKS` gloo ranks (torchrun, `KERNELS` set) from `prepare_warmstart`'s warm start; returns
     {DP_KEY: its record}."""
     prepare_warmstart(work)
-    env = {**os.environ, **KERNELS, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={DP_RANKS}"]
     script = ["-m", "tests.golden.record", "--in-process", "--data-parallel", "--out", str(out), "--work", str(work)]
-    subprocess.run([*torchrun, *script], cwd=REPO, env=env, check=True)
+    subprocess.run([*torchrun_command(DP_RANKS), *script], cwd=REPO, env=torchrun_env(), check=True)
     return json.loads(out.read_text())
+
+
+def torchrun_command(ranks: int) -> list[str]:
+    """``torchrun --standalone`` with `ranks` processes on this machine (append the script and its arguments)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+
+
+def torchrun_env() -> dict[str, str]:
+    """The environment of a multi-rank check: the pinned kernels, one thread per rank, this checkout importable."""
+    return {**os.environ, **KERNELS, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def differences(expected: dict, actual: dict, limit: int = 20) -> list[str]:
