@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 from fp8rl.algos import (
+    Objective,
+    TokenBatch,
     calibrate_clip_bounds,
     clip_fraction_metrics,
     contribution_metrics,
@@ -67,23 +69,21 @@ def make_batch(batch: int, length: int, device: torch.device, seed: int) -> dict
 
 
 def workloads(data: dict[str, torch.Tensor]) -> dict[str, Callable[[], None]]:
-    loss_fn = get_policy_loss("ppo_clip")
     low, high = STANDARD
 
     def loss(diagnostics: bool) -> None:
+        """The loss as the trainer runs it: with diagnostics, the mini-batch's correction and mismatch metrics
+        and the BF16 shadow's over-clip metrics too."""
+        objective = Objective(get_policy_loss("ppo_clip").configured(diagnostics=diagnostics), "tis_token")
         logp = data["logp"].detach().requires_grad_(True)
-        extra = {"rollout_logp": data["rollout_logp"], "ratio_ref": data["ratio_ref"]} if diagnostics else {}
-        value, metrics = loss_fn(
-            logp,
-            data["old_logp"],
-            data["adv"],
-            data["mask"],
-            clip_low=low,
-            clip_high=high,
-            diagnostics=diagnostics,
-            **extra,
-        )
+        correction = objective.correct(data["old_logp"], data["rollout_logp"] if diagnostics else None, data["mask"])
+        tokens = TokenBatch(data["old_logp"], data["adv"], data["mask"], correction)
+        value, metrics = objective.policy_loss(logp, tokens, (low, high))
         value.backward()
+        if diagnostics:
+            ratio = torch.exp(logp.detach() - data["old_logp"])
+            metrics.update(overclip_metrics(data["ratio_ref"], ratio, data["adv"], data["mask"], low, high, low, high))
+            metrics.update(correction.metrics)
         metrics_to_floats(metrics)
 
     def calibration() -> None:

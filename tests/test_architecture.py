@@ -86,3 +86,27 @@ def test_the_option_tables_and_the_glossary_are_generated_from_their_sources() -
 def test_the_readme_stays_the_front_door() -> None:
     """At most 250 lines: reference pages live in docs/, numbers in results/."""
     assert len((PACKAGE.parent / "README.md").read_text().splitlines()) <= 250
+
+
+def _compared_strings(path: Path) -> set[str]:
+    """String constants a file compares with == or != (the shape of a switch on a name)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and any(isinstance(op, ast.Eq | ast.NotEq) for op in node.ops):
+            found.update(c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant))
+    return {value for value in found if isinstance(value, str)}
+
+
+def test_the_run_path_never_switches_on_a_registered_name() -> None:
+    """Registries answer what an entry needs (its options, whether it calibrates); the trainer and the job do not
+    compare a config's value with a registered name (the four such switches of issue 24 are gone)."""
+    from fp8rl import algos
+
+    registered = set()
+    for registry in (algos.POLICY_LOSSES, algos.ADVANTAGE_ESTIMATORS, algos.CLIP_BOUND_POLICIES, algos.KL_ESTIMATORS):
+        registered.update(registry.names())
+    registered -= {"none"}  # "none" is a value (no correction), not a switch on an entry
+    for folder in ("trainer", "job"):
+        for path in (PACKAGE / folder).rglob("*.py"):
+            switches = _compared_strings(path) & registered
+            assert not switches, f"fp8rl/{path.relative_to(PACKAGE)} compares with registered names {switches}"

@@ -57,8 +57,9 @@ from fp8rl.algos.diagnostics import (
 )
 from fp8rl.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_loss, kl_penalty
 from fp8rl.algos.masked import Metrics, masked_mean, masked_quantiles, metrics_to_floats
-from fp8rl.algos.policy_loss import POLICY_LOSSES, PolicyLoss, get_policy_loss, register_policy_loss
-from fp8rl.algos.registry import Registry, UnknownNameError
+from fp8rl.algos.objective import Objective
+from fp8rl.algos.policy_loss import POLICY_LOSSES, PolicyLoss, TokenBatch, get_policy_loss, register_policy_loss
+from fp8rl.algos.registry import Registry, UnknownNameError, declared_options
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -76,10 +77,12 @@ __all__ = [
     "CorrectionParams",
     "GroupFilter",
     "Metrics",
+    "Objective",
     "PolicyLoss",
     "Registry",
     "RolloutCorrection",
     "StandardClipBounds",
+    "TokenBatch",
     "UnknownNameError",
     "aggregate_loss",
     "aggregation_count",
@@ -89,6 +92,7 @@ __all__ = [
     "calibrate_clip_bounds",
     "clip_fraction_metrics",
     "compute_advantages",
+    "declared_options",
     "contribution_metrics",
     "entropy_from_logits",
     "entropy_metrics",

@@ -50,7 +50,7 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -288,6 +288,8 @@ def solve_upper_bound(
 class ClipBoundPolicy(Protocol):
     """Interface of a clip-bound policy; see :class:`StandardClipBounds` / :class:`CalibratedClipBounds`."""
 
+    calibrates: bool  # whether it calibrates on the BF16 shadow (else its bounds are fixed)
+
     @property
     def bounds(self) -> ClipBounds: ...
 
@@ -331,6 +333,12 @@ class StandardClipBounds:
 
     eps_low: float = 0.2
     eps_high: float = 0.2
+    calibrates: ClassVar[bool] = False
+
+    @classmethod
+    def from_config(cls, algo: Any, clipping: Any) -> StandardClipBounds:
+        """From a run's ``algo`` and ``clipping`` sections (``fp8rl.config``)."""
+        return cls(eps_low=algo.eps_low, eps_high=algo.eps_high)
 
     @property
     def bounds(self) -> ClipBounds:
@@ -391,6 +399,26 @@ class CalibratedClipBounds:
     _next_step: int = field(init=False, repr=False)
     _last: dict[str, float] = field(init=False, repr=False)
     _window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
+    calibrates: ClassVar[bool] = True
+
+    @classmethod
+    def from_config(cls, algo: Any, clipping: Any) -> CalibratedClipBounds:
+        """From a run's ``algo`` and ``clipping`` sections (``fp8rl.config``): the initial bounds default to the
+        standard ones."""
+        low, high = standard_bounds(algo.eps_low, algo.eps_high)
+        return cls(
+            eps_low=algo.eps_low,
+            eps_high=algo.eps_high,
+            interval=clipping.interval,
+            first_step=clipping.first_step,
+            initial_bounds=(
+                clipping.init_low if clipping.init_low is not None else low,
+                clipping.init_high if clipping.init_high is not None else high,
+            ),
+            ema=clipping.ema,
+            lower_bound_only=clipping.lower_only,
+            pool_neg_tokens=clipping.pool_neg_tokens,
+        )
 
     def __post_init__(self) -> None:
         if self.interval < 1:

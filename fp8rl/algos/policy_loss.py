@@ -1,17 +1,19 @@
-"""Clipped policy-gradient losses, registered by name, all sharing one signature.
+"""Clipped policy-gradient losses, registered by name; options bound at build, called with tensors only.
 
-``get_policy_loss(name)`` returns a callable
+``get_policy_loss(name)`` is the registered loss with its default options; ``.configured(...)`` binds the
+options once, when the run is built (torchtitan's loss config):
 
-    loss_fn(logp, old_logp, adv, response_mask, *, clip_low, clip_high, agg="token-mean",
-            rollout_logp=None, tis_cap=None, rollout_correction=None, mis_low=0.5, mis_high=2.0,
-            ratio_ref=None, ref_clip_low=None, ref_clip_high=None, agg_norm_constant=None,
-            agg_denominator=None, diagnostics=True, grad_zero_mask=None, **loss_kwargs) -> (loss, metrics)
+    loss_fn = get_policy_loss("dual_clip").configured(agg="token-mean", dual_clip_c=3.0)
+    loss, metrics = loss_fn(logp, tokens, bounds, denominator=None)
 
-with logp / old_logp / rollout_logp / response_mask / ratio_ref of shape (batch, response_len), adv of
-shape (batch,) or (batch, response_len), bounds in *ratio* space (standard PPO: clip_low = 1 - eps_low,
-clip_high = 1 + eps_high; Calibrated Clipping passes its calibrated bounds), ``loss`` 0-d and ``metrics``
-namespaced 0-d detached tensors. ``loss_kwargs`` are the loss's own options (``dual_clip_c`` for
-``"dual_clip"``); an option a loss does not know raises ``TypeError``.
+with ``logp`` (batch, response_len) the current policy's log-probs, ``tokens`` a :class:`TokenBatch` (old
+log-probs, advantages of shape (batch,) or (batch, response_len), the response mask, and the mini-batch's
+rollout correction), ``bounds`` = (clip_low, clip_high) in *ratio* space (standard PPO: 1 - eps_low,
+1 + eps_high; Calibrated Clipping passes its calibrated bounds), ``denominator`` the aggregation's normaliser
+of a global mini-batch (``aggregation.aggregate_loss``; None: this batch's own). ``loss`` is 0-d and
+``metrics`` namespaced 0-d detached tensors. A surrogate's own options (``dual_clip_c`` for ``"dual_clip"``)
+are keyword parameters of the surrogate; ``configured`` refuses an option the loss does not know
+(``TypeError``) before anything runs.
 
 Registered losses (r = exp(logp - old_logp), A = advantage):
 
@@ -23,35 +25,35 @@ Registered losses (r = exp(logp - old_logp), A = advantage):
 - ``"cispo"``: -sg(clip(r, clip_low, clip_high)) A log pi (MiniMax-M1 2025; the paper's appendix
   baseline): every token keeps its gradient, only its IS weight is clipped. Value -clip(r) A.
 
-Rollout corrections (``corrections.py``) act on top of any loss: with ``rollout_logp`` given, the
-per-token loss is multiplied by the correction's stop-gradient weights and rejected tokens leave the
-mask. ``rollout_correction=None`` means token TIS with cap ``tis_cap`` (default C = 2, the paper's setup);
-pass ``"none"`` to only log the mismatch, or any registered name / list of names.
+The rollout correction (``corrections.py``) is computed once per mini-batch, where the trainer also needs its
+mask for the global normaliser, and handed in with the tokens: the per-token loss is multiplied by its
+stop-gradient weights and rejected tokens leave the mask. Its metrics, and the BF16-vs-FP8 over-clip metrics
+(the BF16 shadow's, ``trainer/shadow.py``), are computed where their inputs live, not here.
 
 Project choices: log r is clamped to [-20, 20] before exp (as verl; beyond it the gradient is zero);
-16-bit log-probs are upcast to float32; the clip metrics use the mask after MIS rejection, the
-``rollout/`` mismatch metrics the mask before. ``ratio_ref`` (the BF16 shadow ratio) adds the over-clip
-metrics, compared against [ref_clip_low, ref_clip_high] (default: [clip_low, clip_high]). ``grad_zero_mask``
-(batch, response_len) bool, an ablation: those tokens keep their loss value but lose their gradient, as
-clipped tokens do (the synthetic over-clipping of ``diagnostics.synthetic_overclip_mask``); its share of the
-negative-advantage tokens is ``clip/synthetic_overclip_neg``.
+16-bit log-probs are upcast to float32; the clip metrics use the mask after the correction's rejection.
+``TokenBatch.grad_zero_mask`` (batch, response_len) bool, an ablation: those tokens keep their loss value but
+lose their gradient, as clipped tokens do (the synthetic over-clipping of ``diagnostics.synthetic_overclip_mask``);
+its share of the negative-advantage tokens is ``clip/synthetic_overclip_neg``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
 from fp8rl.algos.aggregation import aggregate_loss
-from fp8rl.algos.corrections import DEFAULT_MIS_HIGH, DEFAULT_MIS_LOW, apply_rollout_correction
+from fp8rl.algos.corrections import RolloutCorrection
 from fp8rl.algos.diagnostics import (
     LOG_RATIO_CLAMP,
     clip_fraction_metrics,
     contribution_metrics,
-    overclip_metrics,
     ratio_quantile_metrics,
-    rollout_mismatch_metrics,
 )
 from fp8rl.algos.masked import (
     Metrics,
@@ -65,19 +67,77 @@ from fp8rl.algos.masked import (
 from fp8rl.algos.registry import Registry
 
 DEFAULT_DUAL_CLIP_C = 3.0
+SURROGATE_ARGS = 5  # (ratio, adv, response_mask, clip_low, clip_high): what follows are the loss's options
 
 # (ratio, adv, response_mask, clip_low, clip_high, **options) -> (per-token loss, extra metrics)
 Surrogate = Callable[..., tuple[torch.Tensor, Metrics]]
 
 
-class PolicyLoss:
-    """A registered policy loss: the shared pipeline (ratio, correction, aggregation, metrics) around a
-    per-token ``surrogate``. Call it with the signature in the module docstring."""
+@dataclass(frozen=True)
+class TokenBatch:
+    """The tensors a loss reads for one (micro-)batch, each (batch, response_len) unless said.
 
-    def __init__(self, name: str, surrogate: Surrogate) -> None:
-        self.name = name
-        self.surrogate = surrogate
-        self.__doc__ = surrogate.__doc__
+    ``correction`` is the mini-batch's rollout correction restricted to these rows (None: no correction);
+    ``reference_logp`` the frozen reference policy's log-probs (the KL penalty's; None: no penalty)."""
+
+    old_logp: torch.Tensor
+    adv: torch.Tensor  # (batch,) or (batch, response_len)
+    mask: torch.Tensor  # the response (loss) mask before the correction's rejection
+    correction: RolloutCorrection | None = None
+    reference_logp: torch.Tensor | None = None
+    grad_zero_mask: torch.Tensor | None = None
+
+    def select(self, index: torch.Tensor) -> TokenBatch:
+        """These rows only (``index`` a 1-d tensor of row indices)."""
+        correction = self.correction
+        if correction is not None:
+            weights = None if correction.weights is None else correction.weights[index]
+            correction = RolloutCorrection(weights, correction.response_mask[index], {})
+        return TokenBatch(
+            self.old_logp[index],
+            self.adv[index],
+            self.mask[index],
+            correction,
+            None if self.reference_logp is None else self.reference_logp[index],
+            None if self.grad_zero_mask is None else self.grad_zero_mask[index],
+        )
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """The bool mask the loss aggregates over: after the correction's rejection."""
+        return as_bool_mask(self.mask if self.correction is None else self.correction.response_mask)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss: the shared pipeline (ratio, correction weights, aggregation, metrics) around a
+    per-token ``surrogate``, with its options bound (module docstring)."""
+
+    name: str
+    surrogate: Surrogate
+    agg: str = "token-mean"
+    norm_constant: float | None = None  # aggregate_loss's constant for the "*-token-sum-norm" modes
+    diagnostics: bool = True
+    options: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        """The surrogate's own options (its keyword parameters after the five shared ones)."""
+        return tuple(inspect.signature(self.surrogate).parameters)[SURROGATE_ARGS:]
+
+    def configured(
+        self, *, agg: str | None = None, norm_constant: float | None = None, diagnostics: bool | None = None, **options
+    ) -> PolicyLoss:
+        """This loss with options bound; an option the surrogate does not take raises ``TypeError``."""
+        unknown = sorted(set(options) - set(self.option_names))
+        if unknown:
+            known = ", ".join(self.option_names) or "none"
+            raise TypeError(f"policy loss {self.name!r} takes no option {', '.join(unknown)} (its options: {known})")
+        changes = {"options": MappingProxyType({**self.options, **options})}
+        for key, value in {"agg": agg, "norm_constant": norm_constant, "diagnostics": diagnostics}.items():
+            if value is not None:
+                changes[key] = value
+        return dataclasses.replace(self, **changes)
 
     def __repr__(self) -> str:
         return f"PolicyLoss({self.name!r})"
@@ -85,65 +145,35 @@ class PolicyLoss:
     def __call__(
         self,
         logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        adv: torch.Tensor,
-        response_mask: torch.Tensor,
-        *,
-        clip_low: float,
-        clip_high: float,
-        agg: str = "token-mean",
-        rollout_logp: torch.Tensor | None = None,
-        tis_cap: float | None = None,
-        rollout_correction: str | Sequence[str] | None = None,
-        mis_low: float = DEFAULT_MIS_LOW,
-        mis_high: float = DEFAULT_MIS_HIGH,
-        ratio_ref: torch.Tensor | None = None,
-        ref_clip_low: float | None = None,
-        ref_clip_high: float | None = None,
-        agg_norm_constant: float | None = None,
-        agg_denominator: float | None = None,
-        diagnostics: bool = True,
-        grad_zero_mask: torch.Tensor | None = None,
-        **loss_kwargs,
+        tokens: TokenBatch,
+        bounds: tuple[float, float],
+        denominator: float | None = None,
     ) -> tuple[torch.Tensor, Metrics]:
-        token_tensors = {"logp": logp, "old_logp": old_logp, "response_mask": response_mask}
-        token_tensors.update(rollout_logp=rollout_logp, ratio_ref=ratio_ref)
-        check_token_shapes(*token_tensors.values(), names=tuple(token_tensors))
-        clip_low, clip_high = _check_bounds(clip_low, clip_high)
-        mask = as_bool_mask(response_mask)
-        adv = expand_adv(adv, logp).detach()
-        log_ratio = torch.where(mask, at_least_float32(logp) - at_least_float32(old_logp).detach(), 0)
+        names = ("logp", "old_logp", "response_mask")
+        check_token_shapes(logp, tokens.old_logp, tokens.mask, names=names)
+        clip_low, clip_high = _check_bounds(*bounds)
+        mask = as_bool_mask(tokens.mask)
+        adv = expand_adv(tokens.adv, logp).detach()
+        log_ratio = torch.where(mask, at_least_float32(logp) - at_least_float32(tokens.old_logp).detach(), 0)
         log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = torch.exp(log_ratio)  # r = pi_theta / pi_old
-        per_token_loss, surrogate_metrics = self.surrogate(ratio, adv, mask, clip_low, clip_high, **loss_kwargs)
-        if grad_zero_mask is not None:
-            zeroed = as_bool_mask(grad_zero_mask) & mask
+        per_token_loss, surrogate_metrics = self.surrogate(ratio, adv, mask, clip_low, clip_high, **self.options)
+        if tokens.grad_zero_mask is not None:
+            zeroed = as_bool_mask(tokens.grad_zero_mask) & mask
             per_token_loss = torch.where(zeroed, per_token_loss.detach(), per_token_loss)
             negative = mask & (adv < 0)
             surrogate_metrics["clip/synthetic_overclip_neg"] = masked_fraction(zeroed, negative)
-
-        correction = apply_rollout_correction(
-            old_logp, rollout_logp, mask, rollout_correction, tis_cap=tis_cap, mis_low=mis_low, mis_high=mis_high
-        )
-        if correction.weights is not None:
+        correction = tokens.correction
+        if correction is not None and correction.weights is not None:
             per_token_loss = per_token_loss * correction.weights  # TIS: stop-gradient weight on the token loss
-        loss_mask = correction.response_mask
+        loss_mask = mask if correction is None else as_bool_mask(correction.response_mask)
         loss = aggregate_loss(
-            per_token_loss, loss_mask, agg, norm_constant=agg_norm_constant, denominator=agg_denominator
+            per_token_loss, loss_mask, self.agg, norm_constant=self.norm_constant, denominator=denominator
         )
-
-        metrics: Metrics = {"actor/pg_loss": loss.detach(), **correction.metrics}
-        if diagnostics:
+        metrics: Metrics = {"actor/pg_loss": loss.detach()}
+        if self.diagnostics:
             metrics.update(surrogate_metrics)
             metrics.update(_diagnostics(ratio, log_ratio, adv, loss_mask, clip_low, clip_high))
-            if rollout_logp is not None:
-                metrics.update(rollout_mismatch_metrics(old_logp, rollout_logp, mask))
-            if ratio_ref is not None:
-                ref_low = clip_low if ref_clip_low is None else ref_clip_low
-                ref_high = clip_high if ref_clip_high is None else ref_clip_high
-                bounds = (clip_low, clip_high, ref_low, ref_high)
-                overclip = overclip_metrics(ratio_ref, ratio, adv, loss_mask, *bounds, with_fp8_contributions=False)
-                metrics.update(overclip)
         return loss, metrics
 
 
@@ -167,7 +197,7 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
 def register_policy_loss(name: str, *aliases: str) -> Callable[[Surrogate], Surrogate]:
-    """Decorator registering a per-token surrogate ``(ratio, adv, mask, clip_low, clip_high, **kw)``
+    """Decorator registering a per-token surrogate ``(ratio, adv, mask, clip_low, clip_high, **options)``
     -> (per_token_loss, metrics) as a full :class:`PolicyLoss` under ``name``."""
 
     def decorator(surrogate: Surrogate) -> Surrogate:
@@ -181,7 +211,8 @@ def register_policy_loss(name: str, *aliases: str) -> Callable[[Surrogate], Surr
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
-    """The registered loss ``name``; unknown names raise ``UnknownNameError`` listing the valid ones."""
+    """The registered loss ``name`` with its default options; unknown names raise ``UnknownNameError``
+    listing the valid ones."""
     return POLICY_LOSSES.get(name)
 
 

@@ -11,6 +11,7 @@ the name a config gives. Two rules make config mistakes loud:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
@@ -81,3 +82,10 @@ def _describe(obj: object) -> str:
     module = getattr(obj, "__module__", "?")
     qualname = getattr(obj, "__qualname__", type(obj).__qualname__)
     return f"{module}.{qualname}"
+
+
+def declared_options(fn: Callable, **candidates: object) -> dict[str, object]:
+    """Those of `candidates` that `fn` declares as keyword parameters: a config passes every option it has and
+    each registered entry takes its own (no switch on the entry's name outside the registry)."""
+    parameters = inspect.signature(fn).parameters
+    return {name: value for name, value in candidates.items() if name in parameters}

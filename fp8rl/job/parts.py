@@ -209,24 +209,22 @@ def build_engine(cfg: RunConfig, policy: Policy, model_cfg: ModelConfig, task: T
 
 
 def build_clip_policy(algo: AlgoConfig, clipping: ClippingConfig) -> algos.ClipBoundPolicy:
-    """The clip-bound policy `clipping.policy` with the config's bounds and schedule."""
-    if clipping.policy == "standard":
-        return algos.make_clip_bound_policy("standard", eps_low=algo.eps_low, eps_high=algo.eps_high)
-    low, high = algos.standard_bounds(algo.eps_low, algo.eps_high)
-    initial = (
-        clipping.init_low if clipping.init_low is not None else low,
-        clipping.init_high if clipping.init_high is not None else high,
-    )
-    return algos.make_clip_bound_policy(
-        clipping.policy,
-        eps_low=algo.eps_low,
-        eps_high=algo.eps_high,
-        interval=clipping.interval,
-        first_step=clipping.first_step,
-        initial_bounds=initial,
-        ema=clipping.ema,
-        lower_bound_only=clipping.lower_only,
-        pool_neg_tokens=clipping.pool_neg_tokens,
+    """The clip-bound policy `clipping.policy`, built from the config by its registered class."""
+    return algos.get_clip_bound_policy(clipping.policy).from_config(algo, clipping)
+
+
+def build_objective(algo: AlgoConfig, clipping: ClippingConfig) -> algos.Objective:
+    """The run's objective, fixed here: the policy loss with its options (the ones its surrogate declares, read
+    from `algo`), the rollout correction, KL penalty and entropy bonus."""
+    loss = algos.get_policy_loss(algo.policy_loss)
+    options = {name: getattr(algo, name) for name in loss.option_names}
+    return algos.Objective(
+        policy_loss=loss.configured(agg=algo.loss_agg, **options),
+        correction=clipping.rollout_correction,
+        correction_params=algos.CorrectionParams(clipping.tis_cap, clipping.mis_low, clipping.mis_high),
+        kl_coef=algo.kl_coef,
+        kl_type=algo.kl_type,
+        entropy_coef=algo.entropy_coef,
     )
 
 
@@ -261,6 +259,7 @@ def build_parts(cfg: RunConfig, layout: ParallelLayout, dp: DataParallel, device
         engine=build_engine(cfg, policy, weights.model_cfg, task, plan),
         task=task,
         clip_policy=build_clip_policy(cfg.algo, cfg.clipping),
+        objective=build_objective(cfg.algo, cfg.clipping),
         plan=plan,
         sampling=sampling_config(cfg, task),
         reference=build_reference(cfg, weights, device),

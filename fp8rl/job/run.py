@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fp8rl import algos
 from fp8rl.config import ConfigError, RunConfig, flatten, to_dict
 from fp8rl.identity import config_hash, default_run_name, run_dir
 from fp8rl.job import signals
@@ -287,7 +288,7 @@ def describe(cfg: RunConfig, name: str) -> str:
         arm = f"FP8 {p.recipe} rollout, BF16 training"
     else:
         arm = f"full-pipeline FP8 {p.recipe} (rollout and both trainer forwards)"
-    clip = "Calibrated Clipping" if c.policy == "calibrated" else "standard clip bounds"
+    clip = "Calibrated Clipping" if algos.get_clip_bound_policy(c.policy).calibrates else "standard clip bounds"
     correction = "" if c.rollout_correction == "none" else f" + {c.rollout_correction}"
     command = shown_command()
     return (

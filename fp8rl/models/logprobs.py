@@ -13,9 +13,20 @@ a learned-absolute embedding would also be right.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+class Sequences(Protocol):
+    """A micro-batch the model scores: ids and mask (b, s) in the layout above, the last `response_len`
+    columns the response; the caller's loss reads whatever else it carries (the trainer's ``MicroBatch``)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_len: int
 
 
 def causal_padding_mask(attention_mask: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ Prototype-grade (verified on CPU/gloo with PP=2 only; not yet wired into the tra
   ``schedules.forward_step_calc_loss`` divides by ``num_microbatches``, so each micro-batch returns
   ``sum * num_microbatches / total_tokens``.
 
-Micro-batches are dicts: ``input_ids`` and ``attention_mask`` (b, s) in the layout of :mod:`fp8rl.models.logprobs`,
+Micro-batches are :class:`fp8rl.models.logprobs.Sequences`: ``input_ids`` and ``attention_mask`` (b, s),
 ``response_len`` (int), plus whatever the caller's token loss reads. Every rank iterates the same list (the schedule
 calls the forward step on every stage). Shapes may differ between micro-batches (``variable_seq_lengths``).
 
@@ -48,12 +48,17 @@ from torch.overrides import TorchFunctionMode
 
 from fp8rl.models.config import ModelConfig
 from fp8rl.models.gpt import build_gpt_model, fp8_switchable_layer_spec, transformer_config
-from fp8rl.models.logprobs import causal_padding_mask, logprobs_and_entropy_from_logits, position_ids_from_mask
+from fp8rl.models.logprobs import (
+    Sequences,
+    causal_padding_mask,
+    logprobs_and_entropy_from_logits,
+    position_ids_from_mask,
+)
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 Precision = Callable[[], contextlib.AbstractContextManager]
-TokenLoss = Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+TokenLoss = Callable[[Sequences, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -215,25 +220,25 @@ def activation_dtype(model: torch.nn.Module, precision: Precision) -> torch.dtyp
     return getattr(model, "module", model).config.params_dtype
 
 
-def response_logprobs(mb: dict, logits: torch.Tensor, temperature: float, vocab_size: int | None):
+def response_logprobs(mb: Sequences, logits: torch.Tensor, temperature: float, vocab_size: int | None):
     """Last stage: (logp, entropy), each (b, response_len) fp32, from the full-sequence logits (b, s, V)."""
-    r = mb["response_len"]
-    return logprobs_and_entropy_from_logits(logits[:, -r - 1 : -1, :vocab_size], mb["input_ids"][:, -r:], temperature)
+    r = mb.response_len
+    return logprobs_and_entropy_from_logits(logits[:, -r - 1 : -1, :vocab_size], mb.input_ids[:, -r:], temperature)
 
 
 # (logits, input_ids, response_len, temperature, vocab_size) -> (logp, entropy): e.g. vocabulary-parallel under TP
 LogprobsFn = Callable[[torch.Tensor, torch.Tensor, int, float, "int | None"], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _score(logprobs_fn: LogprobsFn | None, mb: dict, logits: torch.Tensor, temperature: float, vocab_size):
+def _score(logprobs_fn: LogprobsFn | None, mb: Sequences, logits: torch.Tensor, temperature: float, vocab_size):
     if logprobs_fn is None:
         return response_logprobs(mb, logits, temperature, vocab_size)
-    return logprobs_fn(logits, mb["input_ids"], mb["response_len"], temperature, vocab_size)
+    return logprobs_fn(logits, mb.input_ids, mb.response_len, temperature, vocab_size)
 
 
 def _forward_step(precision: Precision, data_iterator, model):
     mb = next(data_iterator)
-    ids, am = mb["input_ids"], mb["attention_mask"]
+    ids, am = mb.input_ids, mb.attention_mask
     with precision():
         output = model(ids, position_ids_from_mask(am), causal_padding_mask(am))
     return output, mb
@@ -241,7 +246,7 @@ def _forward_step(precision: Precision, data_iterator, model):
 
 def _run_schedule(
     model,
-    microbatches: list[dict],
+    microbatches: list[Sequences],
     forward_step_func,
     precision: Precision,
     *,
@@ -259,8 +264,8 @@ def _run_schedule(
                 model=[model],
                 num_microbatches=len(microbatches),
                 # seq_length / micro_batch_size fix the activation shape when variable_seq_lengths is False
-                seq_length=max(mb["input_ids"].shape[1] for mb in microbatches),
-                micro_batch_size=max(mb["input_ids"].shape[0] for mb in microbatches),
+                seq_length=max(mb.input_ids.shape[1] for mb in microbatches),
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches),
                 forward_only=forward_only,
                 collect_non_loss_data=collect_non_loss_data,
             )
@@ -287,7 +292,7 @@ def broadcast_from_last_stage(
 
 def pipeline_logprobs(
     model: torch.nn.Module,
-    microbatches: list[dict],
+    microbatches: list[Sequences],
     *,
     temperature: float = 1.0,
     vocab_size: int | None = None,
@@ -312,7 +317,7 @@ def pipeline_logprobs(
         store = _run_schedule(
             model, microbatches, forward_step, precision, forward_only=True, collect_non_loss_data=True
         )
-    shapes = [(mb["input_ids"].shape[0], mb["response_len"]) for mb in microbatches for _ in range(2)]
+    shapes = [(mb.input_ids.shape[0], mb.response_len) for mb in microbatches for _ in range(2)]
     mine = (
         [t for item in store for t in (item["logp"], item["entropy"])]
         if parallel_state.is_pipeline_last_stage()
@@ -324,7 +329,7 @@ def pipeline_logprobs(
 
 def pipeline_loss_backward(
     model: torch.nn.Module,
-    microbatches: list[dict],
+    microbatches: list[Sequences],
     token_loss: TokenLoss,
     *,
     total_tokens: float | None = None,
@@ -335,14 +340,14 @@ def pipeline_loss_backward(
     """Forward + backward of ``loss = sum over micro-batches and tokens of token_loss / total_tokens``.
 
     ``token_loss(mb, logp, entropy)`` -> (per-token loss (b, response_len) with masked tokens zeroed, metrics).
-    ``total_tokens`` defaults to the sum of ``mb["loss_mask"]`` over all micro-batches. With Megatron DDP and
+    ``total_tokens`` defaults to the sum of ``mb.loss_mask`` over all micro-batches. With Megatron DDP and
     DP > 1 (which averages gradients over DP ranks) pass the global token count divided by the DP size.
     Gradients accumulate (param.grad, or main_grad under Megatron DDP): zero them before.
     Returns (loss, per-micro-batch metrics with ``loss_sum``); the loss is broadcast to every pipeline rank,
     the metrics exist on the last stage only.
     """
     if total_tokens is None:
-        total_tokens = float(sum(float(mb["loss_mask"].sum()) for mb in microbatches))
+        total_tokens = float(sum(float(mb.loss_mask.sum()) for mb in microbatches))
     total_tokens = max(float(total_tokens), 1.0)
     scale = len(microbatches) / total_tokens
 
@@ -370,8 +375,8 @@ def pipeline_loss_backward(
 
 def pipeline_forward_backward(
     model: torch.nn.Module,
-    microbatches: list[dict],
-    loss_fn: Callable[[dict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+    microbatches: list[Sequences],
+    loss_fn: Callable[[Sequences, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
     temperature: float,
     vocab_size: int | None,
     logprobs_fn: LogprobsFn | None = None,
@@ -395,7 +400,7 @@ def pipeline_forward_backward(
         return output, partial(loss_func, mb)
 
     _run_schedule(model, microbatches, forward_step, precision, forward_only=False, collect_non_loss_data=False)
-    shapes = [(mb["input_ids"].shape[0], mb["response_len"]) for mb in microbatches]
+    shapes = [(mb.input_ids.shape[0], mb.response_len) for mb in microbatches]
     logps = broadcast_from_last_stage([lp for _, lp in stash] if stash else None, shapes)
     box = [[m for m, _ in stash]]
     dist.broadcast_object_list(

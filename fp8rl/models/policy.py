@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ from fp8rl.models.config import ModelConfig
 from fp8rl.models.generate import GenerationOutput, generate
 from fp8rl.models.gpt import build_gpt_model
 from fp8rl.models.logprobs import (
+    Sequences,
     causal_padding_mask,
     logprobs_and_entropy_from_logits,
     position_ids_from_mask,
@@ -160,8 +160,8 @@ class Policy:
     # ------------------------------------------------------------------------------------------ training
     def forward_backward(
         self,
-        micro_batches: Sequence[dict[str, Any]],
-        loss_fn: Callable[[dict[str, Any], Tensor, Tensor], tuple[Tensor, dict[str, float]]],
+        micro_batches: Sequence[Sequences],
+        loss_fn: Callable[[Sequences, Tensor, Tensor], tuple[Tensor, dict[str, float]]],
         temperature: float,
         vocab_size: int | None,
     ) -> tuple[list[dict[str, float]], list[Tensor]]:
@@ -169,8 +169,7 @@ class Policy:
         loss already normalised by the caller for the whole mini-batch); gradients accumulate. Returns, on every
         rank, each micro-batch's metrics and its detached log-probs (b, response_len).
 
-        Micro-batches: dicts with ``input_ids``, ``attention_mask`` (b, s), ``response_len`` and what `loss_fn`
-        reads."""
+        Micro-batches: :class:`~fp8rl.models.logprobs.Sequences` carrying what `loss_fn` reads."""
         if self.layout.pp > 1:
             from fp8rl.models.pipeline import pipeline_forward_backward
 
@@ -180,7 +179,7 @@ class Policy:
         metrics, logps = [], []
         for mb in micro_batches:
             logp, entropy = self.logprobs(
-                mb["input_ids"], mb["attention_mask"], mb["response_len"], temperature, vocab_size, grad=True
+                mb.input_ids, mb.attention_mask, mb.response_len, temperature, vocab_size, grad=True
             )
             loss, mb_metrics = loss_fn(mb, logp, entropy)
             mb_metrics["loss_finite"] = float(torch.isfinite(loss))

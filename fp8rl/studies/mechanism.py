@@ -197,9 +197,8 @@ def one_update(
     mb = b["batch"].select(b["update"])
     adv = b["adv"][b["update"]]
     logp, _ = trainer.logprobs(mb, recipe, grad=True, compute=compute)
-    loss = algos.get_policy_loss("ppo_clip")(  # first mini-batch: old = current weights, ratio 1
-        logp, logp.detach(), adv, mb.response_mask, clip_low=1 - eps[0], clip_high=1 + eps[1], agg="token-mean"
-    )[0]
+    tokens = algos.TokenBatch(logp.detach(), adv, mb.response_mask)  # first mini-batch: old = current, ratio 1
+    loss = algos.get_policy_loss("ppo_clip")(logp, tokens, (1 - eps[0], 1 + eps[1]))[0]
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()

@@ -55,6 +55,35 @@ class StepBatch:
         return self.rollout.response_mask * self.keep[:, None].long()
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a mini-batch: the sequences the model scores (ids and mask (b, s), the last
+    `response_len` positions scored) and the tensors the objective reads."""
+
+    rows: torch.Tensor  # (b,) its rows in the mini-batch
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_len: int
+    tokens: algos.TokenBatch
+    overclip_noise: torch.Tensor | None = None  # the synthetic over-clipping ablation's log-ratio noise
+
+
+def micro_batches(
+    mb: RolloutBatch, tokens: algos.TokenBatch, size: int | None, overclip_noise: torch.Tensor | None = None
+) -> list[MicroBatch]:
+    """A mini-batch cut into micro-batches of `size` rows (pipeline parallelism); one when `size` is None."""
+    rows = mb.response_ids.shape[0]
+    size = size or rows
+    items = []
+    for start in range(0, rows, size):
+        index = torch.arange(start, min(start + size, rows), device=tokens.mask.device)
+        part = mb.select(index)
+        noise = None if overclip_noise is None else overclip_noise[index]
+        sequences = (part.input_ids, part.attention_mask, part.response_ids.shape[1])
+        items.append(MicroBatch(index, *sequences, tokens.select(index), noise))
+    return items
+
+
 class StepSampler:
     """Draws a step's prompts, samples this rank's share, scores it."""
 
@@ -100,8 +129,9 @@ class StepSampler:
             reward = reward + algos.overlong_penalty(
                 lengths, self.sampling.max_new_tokens, a.overlong_buffer, a.overlong_factor
             )
-        adv_kwargs = {"norm_by_std": a.norm_adv_by_std} if a.advantage == "grpo" else {}
-        adv = algos.compute_advantages(a.advantage, reward, group_size=a.group_size, **adv_kwargs)
+        estimator = algos.get_advantage_estimator(a.advantage)
+        options = algos.declared_options(estimator, norm_by_std=a.norm_adv_by_std)
+        adv = estimator(reward, group_size=a.group_size, **options)
         keep = torch.ones_like(reward, dtype=torch.bool)
         metrics = {
             "rollout/reward": float(task_reward.mean()),

@@ -5,6 +5,7 @@ launcher, no tracker and no config file.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -23,7 +24,15 @@ from fp8rl.models.sampling import SamplingConfig
 from fp8rl.quant import DelayedScalingState
 from fp8rl.rollout.base import RolloutBatch, RolloutEngine
 from fp8rl.tasks.base import Task
-from fp8rl.trainer.batch import SHUFFLE_SALT, StepBatch, StepSampler, step_generator, step_seed
+from fp8rl.trainer.batch import (
+    SHUFFLE_SALT,
+    MicroBatch,
+    StepBatch,
+    StepSampler,
+    micro_batches,
+    step_generator,
+    step_seed,
+)
 from fp8rl.trainer.distributed import SINGLE, DataParallel
 from fp8rl.trainer.evaluation import Evaluator
 from fp8rl.trainer.optim import PolicyOptimizer
@@ -43,6 +52,7 @@ class Parts:
     engine: RolloutEngine
     task: Task
     clip_policy: algos.ClipBoundPolicy
+    objective: algos.Objective  # the loss and its options, the rollout correction, KL and entropy terms
     plan: PrecisionPlan
     sampling: SamplingConfig
     reference: torch.nn.Module | None = None  # frozen start policy for the KL penalty (algo.kl_coef > 0)
@@ -67,7 +77,7 @@ class RLTrainer:
         self.model = parts.policy.module
         self.task, self.engine, self.sampling = parts.task, parts.engine, parts.sampling
         self.clip_policy, self.plan, self.dp = parts.clip_policy, parts.plan, parts.dp
-        self.policy_loss = algos.get_policy_loss(cfg.algo.policy_loss)
+        self.objective = parts.objective
         self.sampler = StepSampler(self.task, self.engine, self.sampling, cfg.algo, cfg.trainer.seed, self.dp)
         self.evaluator = Evaluator(self.task, self.engine, self.policy, self.sampling, cfg.eval, self.dp)
         self.step = 0
@@ -128,7 +138,7 @@ class RLTrainer:
             self._restore(snapshot)
         histograms: list[dict[str, Any]] = []
         if shadow is not None:
-            update_metrics.update(shadow.finish(step, self.clip_policy, self.cfg.clipping.policy == "calibrated"))
+            update_metrics.update(shadow.finish(step, self.clip_policy))
             if self.cfg.trainer.log_ratio_histograms and shadow.has_tokens:
                 histograms.append(ratio_histogram(step, *shadow.pooled()))
         shadow_time = shadow.seconds if shadow is not None else 0.0
@@ -220,9 +230,10 @@ class RLTrainer:
     def minibatch_update(self, mb, mask, old_logp, adv, ratio_ref, reference_logp, overclip_noise=None):
         """One optimizer step on this rank's share of a mini-batch, with the loss normalised over the whole
         global mini-batch. Returns (metrics, detached log-probs (rows, response_len), whether it was applied)."""
-        a = self.cfg.algo
-        denominator = self._global_denominator(mb, mask, old_logp)
-        micro = self._micro_batches(mb, mask, old_logp, adv, ratio_ref, reference_logp, overclip_noise)
+        correction = self.objective.correct(old_logp, mb.rollout_logp, mask)  # once per mini-batch
+        denominator = float(self.dp.sum(torch.tensor(self.objective.count(correction), dtype=torch.float64)))
+        tokens = algos.TokenBatch(old_logp, adv, mask, correction, reference_logp)
+        micro = micro_batches(mb, tokens, self.parts.micro_batch_size, overclip_noise)
         loss_fn = partial(self._loss, denominator=denominator)
         self.parts.optimizer.zero_grad()
         try:
@@ -236,97 +247,34 @@ class RLTrainer:
             return {"train/nonfinite": 1.0}, None, False
         logp = torch.cat(logps)[_inverse(micro)]
         finite = all(m.pop("loss_finite", 1.0) == 1.0 for m in parts_metrics)
-        out = combine_shares(self.dp.all_gather_objects(combine_shares(parts_metrics)))
+        local = combine_shares(parts_metrics)
+        local.update(algos.metrics_to_floats(correction.metrics))
+        if ratio_ref is not None:
+            local.update(ShadowComparison.overclip(ratio_ref, logp, tokens, self.clip_policy.bounds, self.cfg.algo))
+        out = combine_shares(self.dp.all_gather_objects(local))
         if not finite:
             self.parts.optimizer.zero_grad()
             out["train/nonfinite"] = 1.0
             return out, logp, False
-        grad_norm, applied = self.parts.optimizer.clip_and_step(a.grad_clip)
+        grad_norm, applied = self.parts.optimizer.clip_and_step(self.cfg.algo.grad_clip)
         out["actor/grad_norm"] = float(grad_norm)
         if not applied:
             out["train/nonfinite"] = 1.0
         return out, logp, applied
 
-    def _global_denominator(self, mb: RolloutBatch, mask: torch.Tensor, old_logp: torch.Tensor) -> float:
-        """The loss normaliser of the whole mini-batch over all data-parallel ranks (after MIS rejection, which
-        removes tokens from the loss)."""
-        c, a = self.cfg.clipping, self.cfg.algo
-        options = {"tis_cap": c.tis_cap, "mis_low": c.mis_low, "mis_high": c.mis_high}
-        corrected = algos.apply_rollout_correction(old_logp, mb.rollout_logp, mask, c.rollout_correction, **options)
-        local = algos.aggregation_count(corrected.response_mask, a.loss_agg)
-        return float(self.dp.sum(torch.tensor(local, dtype=torch.float64)))
-
-    def _micro_batches(self, mb, mask, old_logp, adv, ratio_ref, reference_logp, noise=None) -> list[dict[str, Any]]:
-        """The mini-batch's micro-batches (pipeline parallelism) as dicts; one without it."""
-        rows = mb.response_ids.shape[0]
-        size = self.parts.micro_batch_size or rows
-        items = []
-        for start in range(0, rows, size):
-            index = torch.arange(start, min(start + size, rows), device=mask.device)
-            part = mb.select(index)
-            items.append(
-                {
-                    "rows": index,
-                    "input_ids": part.input_ids,
-                    "attention_mask": part.attention_mask,
-                    "response_len": part.response_ids.shape[1],
-                    "mask": mask[index],
-                    "old_logp": old_logp[index],
-                    "adv": adv[index],
-                    "rollout_logp": part.rollout_logp,
-                    "ratio_ref": None if ratio_ref is None else ratio_ref[index],
-                    "reference_logp": None if reference_logp is None else reference_logp[index],
-                    "overclip_noise": None if noise is None else noise[index],
-                }
-            )
-        return items
-
-    def _loss(self, mb: dict[str, Any], logp: torch.Tensor, entropy: torch.Tensor, denominator: float):
-        """The policy loss (+ KL penalty, entropy bonus) of one micro-batch, normalised by `denominator` (the
-        global mini-batch's). Returns (loss, float metrics)."""
-        a, c = self.cfg.algo, self.cfg.clipping
-        low, high = self.clip_policy.bounds
-        ref_low, ref_high = algos.standard_bounds(a.eps_low, a.eps_high)
-        mask = mb["mask"]
-        zeroed = None
-        if mb.get("overclip_noise") is not None:  # the positive control's synthetic over-clipping (an ablation)
-            log_ratio = logp.detach().float() - mb["old_logp"].float()
-            zeroed = algos.synthetic_overclip_mask(log_ratio, mb["adv"], mask, mb["overclip_noise"], low)
+    def _loss(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, denominator: float):
+        """The objective of one micro-batch, normalised by `denominator` (the global mini-batch's). Returns
+        (loss, float metrics)."""
+        bounds = self.clip_policy.bounds
+        tokens = mb.tokens
+        if mb.overclip_noise is not None:  # the positive control's synthetic over-clipping (an ablation)
+            log_ratio = logp.detach().float() - tokens.old_logp.float()
+            zeroed = algos.synthetic_overclip_mask(log_ratio, tokens.adv, tokens.mask, mb.overclip_noise, bounds[0])
+            tokens = dataclasses.replace(tokens, grad_zero_mask=zeroed)
+        loss, metrics = self.objective(logp, entropy, tokens, bounds, denominator)
         # The loss is this rank's share of the global loss; Megatron DDP averages gradients over DP ranks.
         scale = self.dp.size if self.parts.optimizer.averages_over_data_parallel else 1
-        loss, metrics = self.policy_loss(
-            logp,
-            mb["old_logp"],
-            mb["adv"],
-            mask,
-            clip_low=low,
-            clip_high=high,
-            agg=a.loss_agg,
-            agg_denominator=denominator,
-            rollout_logp=mb["rollout_logp"],
-            rollout_correction=c.rollout_correction,
-            tis_cap=c.tis_cap,
-            mis_low=c.mis_low,
-            mis_high=c.mis_high,
-            ratio_ref=mb["ratio_ref"],
-            ref_clip_low=ref_low,
-            ref_clip_high=ref_high,
-            grad_zero_mask=zeroed,
-            **({"dual_clip_c": a.dual_clip_c} if a.policy_loss == "dual_clip" else {}),
-        )
-        if mb["reference_logp"] is not None:
-            kl, kl_metrics = algos.kl_loss(
-                logp, mb["reference_logp"], mask, kind=a.kl_type, agg=a.loss_agg, denominator=denominator
-            )
-            loss = loss + a.kl_coef * kl
-            metrics.update(kl_metrics)
-        if a.entropy_coef:
-            loss = loss - a.entropy_coef * algos.aggregate_loss(entropy, mask, a.loss_agg, denominator=denominator)
-        out = algos.metrics_to_floats(metrics)
-        out["actor/loss"] = float(loss.detach())
-        out["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-        out["train/tokens"] = float(mask.sum())
-        return loss * scale, out
+        return loss * scale, algos.metrics_to_floats(metrics)
 
     # ------------------------------------------------------------------------------------------- rollback
     def _snapshot(self) -> dict[str, Any]:
@@ -402,9 +350,9 @@ def _clone_tree(value: Any) -> Any:
 LOSS_KEYS = ("actor/pg_loss", "actor/loss", "actor/kl_loss")  # shares of one global loss: summed over ranks
 
 
-def _inverse(micro: list[dict[str, Any]]) -> torch.Tensor:
+def _inverse(micro: list[MicroBatch]) -> torch.Tensor:
     """The permutation that puts the micro-batches' concatenated rows back in the mini-batch's order."""
-    order = torch.cat([m["rows"] for m in micro])
+    order = torch.cat([m.rows for m in micro])
     return torch.argsort(order)
 
 

@@ -29,6 +29,7 @@ import torch
 
 from fp8rl import algos
 from fp8rl.algos.calibration import CalibStatus
+from fp8rl.algos.diagnostics import LOG_RATIO_CLAMP
 from fp8rl.config import AlgoConfig
 from fp8rl.rollout.base import RolloutBatch
 from fp8rl.trainer.distributed import DataParallel
@@ -104,9 +105,30 @@ class ShadowComparison:
 
         return cat(self._pool.ratio_ref), cat(self._pool.ratio_fp8), cat(self._pool.adv)
 
-    def finish(self, step: int, clip_policy: algos.ClipBoundPolicy, calibrate: bool) -> dict[str, float]:
+    @staticmethod
+    def overclip(
+        ratio_ref: torch.Tensor,
+        logp: torch.Tensor,
+        tokens: algos.TokenBatch,
+        bounds: tuple[float, float],
+        algo: AlgoConfig,
+    ) -> dict[str, float]:
+        """The update's over-clip metrics (``clip/overclip_neg``, ...): FP8's ratio of this update's log-probs
+        `logp` at the bounds in force against the BF16 shadow's `ratio_ref` at the standard bounds, over the
+        loss's tokens (after the rollout correction's rejection)."""
+        mask = tokens.mask.bool()
+        log_ratio = torch.where(mask, logp.float() - tokens.old_logp.float(), 0)
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # as the loss computes it
+        reference = algos.standard_bounds(algo.eps_low, algo.eps_high)
+        measured = algos.overclip_metrics(
+            ratio_ref, ratio, tokens.adv.detach(), tokens.loss_mask, *bounds, *reference, with_fp8_contributions=False
+        )
+        return algos.metrics_to_floats(measured)
+
+    def finish(self, step: int, clip_policy: algos.ClipBoundPolicy) -> dict[str, float]:
         """Calibrate on the pool (when due), and the pool's out-of-sample over-clip metrics."""
         a = self.algo
+        calibrate = clip_policy.calibrates
         ratio_ref, ratio_fp8, adv = self.pooled()
         metrics = {"clip/shadow_tokens": float(adv.numel()), "clip/shadow_neg_tokens": float((adv < 0).sum())}
         if adv.numel() == 0:

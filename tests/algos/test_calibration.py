@@ -9,6 +9,7 @@ from fp8rl.algos import (
     CalibStatus,
     ClipBounds,
     StandardClipBounds,
+    TokenBatch,
     calibrate,
     calibrate_clip_bounds,
     clip_fraction_metrics,
@@ -238,17 +239,8 @@ def test_fp8_noise_overclips_negative_tokens_and_calibration_restores_bf16_clipp
     before = overclip_metrics(ratio_ref, ratio_fp8, adv, mask, *standard, *standard)
     assert before["clip/overclip_neg"].item() > 0.02
     low, high = calibrate_clip_bounds(ratio_ref, ratio_fp8, adv, mask, EPS_LOW, EPS_HIGH)
-    _, metrics = get_policy_loss("ppo_clip")(
-        logp,
-        old_logp,
-        adv,
-        mask,
-        clip_low=low,
-        clip_high=high,
-        ratio_ref=ratio_ref,
-        ref_clip_low=standard[0],
-        ref_clip_high=standard[1],
-    )
+    _, metrics = get_policy_loss("ppo_clip")(logp, TokenBatch(old_logp, adv, mask), (low, high))
+    metrics.update(overclip_metrics(ratio_ref, ratio_fp8, adv, mask, low, high, *standard))  # the shadow's
     n_neg = int((adv < 0).sum()) * mask.shape[1]
     assert abs(metrics["clip/low_neg"].item() - metrics["clip/ref_low_neg"].item()) <= 2 / n_neg
     assert abs(metrics["clip/low_neg"].item() - before["clip/ref_low_neg"].item()) <= 2 / n_neg

@@ -5,9 +5,28 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8rl.algos import aggregate_loss, get_policy_loss
+from fp8rl.algos import CorrectionParams, Objective, TokenBatch, aggregate_loss, get_policy_loss
 
 METRIC_PREFIXES = ("actor/", "clip/", "fp8/", "rollout/")
+
+
+def loss_of(name):
+    """The loss `name` called as the trainer calls it, from the tests' keyword arguments: its options bound with
+    ``configured``, the rollout correction computed once by the objective (its metrics merged, as the trainer
+    logs them), the tensors in a ``TokenBatch``."""
+
+    def call(logp, old, adv, mask, *, clip_low, clip_high, rollout_logp=None, rollout_correction=None,
+             tis_cap=None, grad_zero_mask=None, **options):  # fmt: skip
+        loss_fn = get_policy_loss(name).configured(**options)
+        params = CorrectionParams() if tis_cap is None else CorrectionParams(tis_cap)
+        objective = Objective(loss_fn, rollout_correction, params)
+        correction = objective.correct(old, rollout_logp, mask)
+        loss, metrics = loss_fn(
+            logp, TokenBatch(old, adv, mask, correction, None, grad_zero_mask), (clip_low, clip_high)
+        )
+        return loss, {**metrics, **correction.metrics}
+
+    return call
 
 
 def _logp_for(ratios, dtype=torch.float64):
@@ -19,7 +38,7 @@ def _logp_for(ratios, dtype=torch.float64):
 def test_ppo_clip_value_hand_computed():
     logp, old = _logp_for([0.5, 1.0, 1.5, 0.5, 1.0, 1.5])
     adv = torch.tensor([[-1.0, -1.0, -1.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
-    loss, _ = get_policy_loss("ppo_clip")(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2)
+    loss, _ = loss_of("ppo_clip")(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2)
     # A < 0: 0.5 -> clipped at 0.8; 1.0; 1.5 -> unclipped (min picks r A). A > 0: 0.5 unclipped; 1.0; 1.5 -> 1.2
     per_token = [0.8, 1.0, 1.5, -1.0, -2.0, -2.4]
     assert loss.item() == pytest.approx(sum(per_token) / 6)
@@ -29,7 +48,7 @@ def test_ppo_clip_zero_gradient_pattern():
     ratios = [0.5, 0.9, 1.1, 1.5, 0.5, 0.9, 1.1, 1.5, 1.0]
     adv = torch.tensor([[-1.0] * 4 + [1.0] * 4 + [0.0]], dtype=torch.float64)
     logp, old = _logp_for(ratios)
-    loss, _ = get_policy_loss("ppo_clip")(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2)
+    loss, _ = loss_of("ppo_clip")(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2)
     loss.backward()
     ratio = torch.tensor(ratios, dtype=torch.float64)
     expected = -adv[0] * ratio / len(ratios)  # d(-A r)/d logp = -A r, token-mean over 9 tokens
@@ -45,7 +64,7 @@ def test_ratio_exactly_at_the_bound_gets_zero_gradient(name):
     # logp = old_logp gives r = 1 exactly; torch.maximum / clamp would pass gradient at such ties
     logp = torch.zeros(1, 2, requires_grad=True)
     adv = torch.tensor([[-1.0, 1.0]])
-    loss_fn = get_policy_loss(name)
+    loss_fn = loss_of(name)
     loss_fn(logp, torch.zeros(1, 2), adv, torch.ones(1, 2), clip_low=1.0, clip_high=1.5)[0].backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
     logp.grad = None
@@ -56,7 +75,7 @@ def test_ratio_exactly_at_the_bound_gets_zero_gradient(name):
 def test_dual_clip_caps_negative_loss():
     logp, old = _logp_for([0.5, 1.0, 2.0, 4.0, 4.0])
     adv = torch.tensor([[-1.0, -1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
-    loss, metrics = get_policy_loss("dual_clip")(
+    loss, metrics = loss_of("dual_clip")(
         logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2, dual_clip_c=3.0
     )
     # per token: 0.8 (low clip), 1.0, 2.0 (above high, below c: r A kept), 3.0 (capped at -c A), -1.2 (high clip)
@@ -70,17 +89,17 @@ def test_dual_clip_caps_negative_loss():
 def test_dual_clip_default_c_is_3_and_validated():
     logp, old = _logp_for([3.5])
     adv = torch.tensor([-1.0], dtype=torch.float64)
-    loss, _ = get_policy_loss("dual_clip")(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2)
+    loss, _ = loss_of("dual_clip")(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2)
     assert loss.item() == pytest.approx(3.0)
     with pytest.raises(ValueError, match="dual_clip_c"):
-        get_policy_loss("dual_clip")(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2, dual_clip_c=1)
+        loss_of("dual_clip")(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2, dual_clip_c=1)
 
 
 def test_cispo_keeps_every_gradient_with_clipped_weight():
     ratios = [0.5, 1.0, 1.5]
     logp, old = _logp_for(ratios)
     adv = torch.tensor([[-1.0, 2.0, 2.0]], dtype=torch.float64)
-    loss, _ = get_policy_loss("cispo")(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2)
+    loss, _ = loss_of("cispo")(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2)
     assert loss.item() == pytest.approx((0.8 - 2.0 - 2.4) / 3)
     loss.backward()
     torch.testing.assert_close(logp.grad[0], torch.tensor([0.8, -2.0, -2.4], dtype=torch.float64) / 3)
@@ -105,7 +124,7 @@ def test_matches_textbook_formula_value_and_gradient(seed, name):
     adv = torch.randn(6, generator=generator, dtype=torch.float64)
     mask = torch.rand(shape, generator=generator) < 0.8
     kwargs = {"dual_clip_c": 1.6} if name == "dual_clip" else {}
-    loss, _ = get_policy_loss(name)(logp, old, adv, mask, clip_low=0.75, clip_high=1.3, **kwargs)
+    loss, _ = loss_of(name)(logp, old, adv, mask, clip_low=0.75, clip_high=1.3, **kwargs)
     (grad,) = torch.autograd.grad(loss, logp)
     ref_logp = logp.detach().clone().requires_grad_(True)
     ref = _reference_ppo(ref_logp, old, adv[:, None], mask, 0.75, 1.3, kwargs.get("dual_clip_c"))
@@ -123,7 +142,7 @@ def test_gradient_is_zero_exactly_on_clipped_tokens(log_ratios, signs):
     n = len(log_ratios)
     logp = torch.tensor([log_ratios], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([signs[:n]], dtype=torch.float64)
-    loss, _ = get_policy_loss("ppo_clip")(
+    loss, _ = loss_of("ppo_clip")(
         logp, torch.zeros_like(logp), adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.25
     )
     loss.backward()
@@ -137,7 +156,7 @@ def test_per_sequence_and_per_token_advantages_agree():
     generator = torch.Generator().manual_seed(1)
     logp, old = torch.randn(4, 7, generator=generator), torch.randn(4, 7, generator=generator)
     adv, mask = torch.randn(4, generator=generator), torch.ones(4, 7)
-    loss_fn = get_policy_loss("ppo_clip")
+    loss_fn = loss_of("ppo_clip")
     a, _ = loss_fn(logp, old, adv, mask, clip_low=0.8, clip_high=1.2)
     b, _ = loss_fn(logp, old, adv[:, None].expand(4, 7), mask, clip_low=0.8, clip_high=1.2)
     assert torch.equal(a, b)
@@ -147,10 +166,10 @@ def test_aggregation_mode_is_passed_through():
     generator = torch.Generator().manual_seed(2)
     logp, old = torch.randn(3, 5, generator=generator), torch.randn(3, 5, generator=generator)
     adv, mask = torch.randn(3, generator=generator), torch.rand(3, 5, generator=generator) < 0.6
-    token_loss, _ = get_policy_loss("ppo_clip")(logp, old, adv, mask, clip_low=0.0, clip_high=1e9)  # never clips
+    token_loss, _ = loss_of("ppo_clip")(logp, old, adv, mask, clip_low=0.0, clip_high=1e9)  # never clips
     per_token = -adv[:, None] * torch.exp(logp - old)
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        loss, _ = get_policy_loss("ppo_clip")(logp, old, adv, mask, clip_low=0.0, clip_high=1e9, agg=mode)
+        loss, _ = loss_of("ppo_clip")(logp, old, adv, mask, clip_low=0.0, clip_high=1e9, agg=mode)
         torch.testing.assert_close(loss, aggregate_loss(per_token, mask, mode))
     torch.testing.assert_close(token_loss, aggregate_loss(per_token, mask, "token-mean"))
 
@@ -160,7 +179,7 @@ def test_token_tis_multiplies_the_loss_with_a_stop_gradient_weight():
     old = torch.zeros(1, 3, requires_grad=True)
     rollout = torch.log(torch.tensor([[2.0, 1.0, 0.25]]))  # rho = pi_old / pi_rollout = [0.5, 1, 4]
     adv, mask = torch.tensor([1.0]), torch.ones(1, 3)
-    loss, metrics = get_policy_loss("ppo_clip")(
+    loss, metrics = loss_of("ppo_clip")(
         logp, old, adv, mask, clip_low=0.8, clip_high=1.2, rollout_logp=rollout, tis_cap=3.0
     )
     assert loss.item() == pytest.approx(-(0.5 + 1.0 + 3.0) / 3)  # r = 1, weights [0.5, 1, min(4, 3)]
@@ -174,7 +193,7 @@ def test_token_tis_multiplies_the_loss_with_a_stop_gradient_weight():
 def test_rollout_logp_defaults_to_token_tis_with_cap_2_and_none_disables():
     logp, old = torch.zeros(1, 2), torch.zeros(1, 2)
     rollout = torch.log(torch.tensor([[0.2, 1.0]]))  # rho = [5, 1]
-    loss_fn = get_policy_loss("ppo_clip")
+    loss_fn = loss_of("ppo_clip")
     kwargs = {"clip_low": 0.8, "clip_high": 1.2}
     default, _ = loss_fn(logp, old, torch.tensor([-1.0]), torch.ones(1, 2), rollout_logp=rollout, **kwargs)
     assert default.item() == pytest.approx((2.0 + 1.0) / 2)
@@ -191,7 +210,7 @@ def test_mis_removes_tokens_from_the_mean():
     logp, old = torch.zeros(1, 3), torch.zeros(1, 3)
     rollout = torch.log(torch.tensor([[1.0, 1.0, 0.1]]))  # rho = [1, 1, 10]
     adv = torch.tensor([[-1.0, -3.0, -100.0]])
-    loss, metrics = get_policy_loss("ppo_clip")(
+    loss, metrics = loss_of("ppo_clip")(
         logp,
         old,
         adv,
@@ -209,8 +228,7 @@ def test_metrics_are_namespaced_detached_scalars():
     generator = torch.Generator().manual_seed(3)
     logp = torch.randn(4, 6, generator=generator).requires_grad_(True)
     old, rollout = torch.randn(4, 6, generator=generator), torch.randn(4, 6, generator=generator)
-    ratio_ref = torch.exp(torch.randn(4, 6, generator=generator) * 0.1)
-    _, metrics = get_policy_loss("dual_clip")(
+    _, metrics = loss_of("dual_clip")(
         logp,
         old,
         torch.randn(4),
@@ -218,7 +236,6 @@ def test_metrics_are_namespaced_detached_scalars():
         clip_low=0.8,
         clip_high=1.28,
         rollout_logp=rollout,
-        ratio_ref=ratio_ref,
     )
     expected_keys = {
         "actor/pg_loss",
@@ -232,10 +249,6 @@ def test_metrics_are_namespaced_detached_scalars():
         "clip/high_neg",
         "clip/frac",
         "clip/p",
-        "clip/overclip_neg",
-        "clip/underclip_neg",
-        "clip/ref_p",
-        "fp8/log_ratio_abs_diff",
         "rollout/tis_mean",
         "rollout/abs_logp_diff",
         "rollout/k3_kl",
@@ -248,7 +261,7 @@ def test_metrics_are_namespaced_detached_scalars():
 
 
 def test_diagnostics_off_returns_only_the_loss_metric():
-    _, metrics = get_policy_loss("ppo_clip")(
+    _, metrics = loss_of("ppo_clip")(
         torch.zeros(2, 3),
         torch.zeros(2, 3),
         torch.ones(2),
@@ -264,7 +277,7 @@ def test_diagnostics_off_returns_only_the_loss_metric():
 def test_all_masked_and_garbage_in_padding_give_no_nan(name):
     logp = torch.full((2, 4), float("nan")).requires_grad_(True)
     old = torch.full((2, 4), float("inf"))
-    loss, metrics = get_policy_loss(name)(
+    loss, metrics = loss_of(name)(
         logp,
         old,
         torch.ones(2),
@@ -272,7 +285,6 @@ def test_all_masked_and_garbage_in_padding_give_no_nan(name):
         clip_low=0.8,
         clip_high=1.2,
         rollout_logp=old,
-        ratio_ref=torch.ones(2, 4),
     )
     loss.backward()
     assert loss.item() == 0.0
@@ -281,7 +293,7 @@ def test_all_masked_and_garbage_in_padding_give_no_nan(name):
 
 
 def test_argument_validation():
-    loss_fn = get_policy_loss("ppo_clip")
+    loss_fn = loss_of("ppo_clip")
     args = (torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3))
     with pytest.raises(ValueError, match="clip_low <= clip_high"):
         loss_fn(*args, clip_low=1.3, clip_high=1.2)
@@ -297,7 +309,7 @@ def test_argument_validation():
 
 def test_bf16_log_probs_are_upcast():
     logp = torch.randn(2, 5, generator=torch.Generator().manual_seed(4))
-    loss_bf16, _ = get_policy_loss("ppo_clip")(
+    loss_bf16, _ = loss_of("ppo_clip")(
         logp.bfloat16(), torch.zeros(2, 5).bfloat16(), torch.ones(2), torch.ones(2, 5), clip_low=0.8, clip_high=1.2
     )
     assert loss_bf16.dtype == torch.float32
@@ -319,7 +331,7 @@ def test_synthetic_overclip_zeroes_exactly_the_negative_tokens_the_noise_pushes_
 def test_grad_zero_mask_keeps_the_value_and_removes_the_gradient():
     logp, old = _logp_for([0.9, 1.1, 0.95])
     adv = torch.tensor([[-1.0, 1.0, -1.0]], dtype=torch.float64)
-    loss_fn = get_policy_loss("ppo_clip")
+    loss_fn = loss_of("ppo_clip")
     plain, _ = loss_fn(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2)
     zero = torch.tensor([[True, False, False]])
     masked, metrics = loss_fn(logp, old, adv, torch.ones_like(logp), clip_low=0.8, clip_high=1.2, grad_zero_mask=zero)
@@ -327,3 +339,13 @@ def test_grad_zero_mask_keeps_the_value_and_removes_the_gradient():
     masked.backward()
     assert logp.grad[0, 0] == 0 and torch.all(logp.grad[0, 1:] != 0)
     assert metrics["clip/synthetic_overclip_neg"].item() == pytest.approx(0.5)  # 1 of the 2 A < 0 tokens
+
+
+def test_options_are_bound_once_and_unknown_ones_refused_before_a_call():
+    dual = get_policy_loss("dual_clip")
+    assert dual.option_names == ("dual_clip_c",) and get_policy_loss("ppo_clip").option_names == ()
+    bound = dual.configured(agg="seq-mean-token-mean", dual_clip_c=2.0)
+    assert (bound.agg, dict(bound.options)) == ("seq-mean-token-mean", {"dual_clip_c": 2.0})
+    assert dual.agg == "token-mean" and dict(dual.options) == {}  # the registered entry is left as it was
+    with pytest.raises(TypeError, match="takes no option dual_clip_c"):
+        get_policy_loss("cispo").configured(dual_clip_c=3.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from datetime import timedelta
+from types import SimpleNamespace
 
 
 def main() -> None:
@@ -37,25 +38,25 @@ def main() -> None:
             q = int(torch.randint(1, response + 1, (1,), generator=gen))
             ids[r, prompt - p : prompt + q] = torch.randint(1, 100, (p + q,), generator=gen)
             am[r, prompt - p : prompt + q] = 1
-        return {
-            "input_ids": ids,
-            "attention_mask": am,
-            "response_len": response,
-            "loss_mask": am[:, -response:].float(),
-            "adv": torch.randn(rows, generator=gen),
-        }
+        return SimpleNamespace(
+            input_ids=ids,
+            attention_mask=am,
+            response_len=response,
+            loss_mask=am[:, -response:].float(),
+            adv=torch.randn(rows, generator=gen),
+        )
 
     mbs = [microbatch(2, 5, 6), microbatch(3, 4, 9), microbatch(1, 9, 3)]  # variable (b, s) per micro-batch
-    n_total = float(sum(mb["loss_mask"].sum() for mb in mbs))
+    n_total = float(sum(mb.loss_mask.sum() for mb in mbs))
     temp, vocab = 0.9, 100
 
     def token_loss(mb, logp, entropy):
-        ratio = torch.exp(logp - mb["old_logp"])
-        adv = mb["adv"][:, None]
+        ratio = torch.exp(logp - mb.old_logp)
+        adv = mb.adv[:, None]
         clipped = torch.where(
             (adv > 0) & (ratio > 1.2) | (adv < 0) & (ratio < 0.8), ratio.detach().clamp(0.8, 1.2), ratio
         )
-        return (-adv * clipped - 0.01 * entropy) * mb["loss_mask"], {}
+        return (-adv * clipped - 0.01 * entropy) * mb.loss_mask, {}
 
     checks = []
     for tied in (False, True):
@@ -96,13 +97,11 @@ def main() -> None:
         for name, precision in precisions.items():
             with torch.no_grad(), precision():
                 ref_lp = [
-                    token_logprobs_and_entropy(
-                        ref, mb["input_ids"], mb["attention_mask"], mb["response_len"], temp, vocab
-                    )
+                    token_logprobs_and_entropy(ref, mb.input_ids, mb.attention_mask, mb.response_len, temp, vocab)
                     for mb in mbs
                 ]
             for mb, (lp, _) in zip(mbs, ref_lp, strict=True):
-                mb["old_logp"] = lp + 0.2 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3))
+                mb.old_logp = lp + 0.2 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3))
             got = pp.pipeline_logprobs(stage, mbs, temperature=temp, vocab_size=vocab, precision=precision)
             checks.append(
                 (
@@ -123,7 +122,7 @@ def main() -> None:
             for mb in mbs:
                 with precision():
                     lp, ent = token_logprobs_and_entropy(
-                        ref, mb["input_ids"], mb["attention_mask"], mb["response_len"], temp, vocab
+                        ref, mb.input_ids, mb.attention_mask, mb.response_len, temp, vocab
                     )
                 total = total + token_loss(mb, lp, ent)[0].sum() / n_total
             total.backward()

@@ -172,7 +172,6 @@ def _last_boxed_by_rescanning(text: str):
 @given(st.lists(st.sampled_from(["\\boxed{", "\\fbox {", "{", "}", "x", "1", "\\frac{1}{2}", " "]), max_size=40))
 def test_last_boxed_equals_the_rescanning_extraction(pieces) -> None:
 
-
     text = "".join(pieces)
     assert last_boxed(text) == _last_boxed_by_rescanning(text)
 
@@ -181,7 +180,6 @@ def test_last_boxed_equals_the_rescanning_extraction(pieces) -> None:
 def test_extraction_is_linear_on_repeated_unclosed_boxes() -> None:
     """100k characters of unclosed ``\\boxed{`` took 94 s with the rescanning extraction (outside the per-answer
     time limit, which guards only the verifier); one pass takes milliseconds."""
-
 
     assert extract_final_answer("\\boxed{" * 15000 + "\\boxed{7}") == "7"
     assert extract_final_answer("\\boxed{" * 15000) is None
