@@ -17,7 +17,7 @@ float8 primitives, block_size = the block) for the block granularities; both div
 amax-derived scale (float32 scales, also for the 1x32 blocks) and saturate, as fp8rl does.
 
 Usage: python benchmarks/quant_throughput.py [--size 4096] [--rounds 7] [--out results.json] [--thp]
-       [--malloc default|keep-freed]
+
 """
 
 from __future__ import annotations
@@ -50,13 +50,6 @@ def parse_args() -> argparse.Namespace:
         help="set THP_MEM_ALLOC_ENABLE=1 (torch's CPU allocator asks for transparent huge pages), which "
         "removes most page-fault cost of fresh output buffers on machines where faults are slow",
     )
-    parser.add_argument(
-        "--malloc",
-        choices=["keep-freed", "default"],
-        default="default",
-        help="allocator: glibc's defaults (the trainer's default) or keep freed buffers for reuse "
-        "(fp8rl/malloc.py), under which fresh output buffers do not page-fault again",
-    )
     parser.add_argument("--out", default=None, help="also write the results and provenance as JSON here")
     return parser.parse_args()
 
@@ -67,11 +60,8 @@ if ARGS.thp:  # read once by torch's allocator: must be set before torch is impo
 
 import torch  # noqa: E402
 
-from fp8rl.malloc import keep_freed_memory, malloc_state  # noqa: E402
 from fp8rl.quant import get_format, quantize  # noqa: E402
-
-if ARGS.malloc == "keep-freed":
-    keep_freed_memory()
+from fp8rl.tracking.provenance import allocator_settings  # noqa: E402
 
 
 def git_sha() -> str | None:
@@ -95,7 +85,7 @@ def provenance() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE", "unset"),
-        "malloc": malloc_state(),
+        "malloc": allocator_settings(),
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "command": " ".join([sys.executable, *sys.argv]),
     }

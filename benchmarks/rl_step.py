@@ -5,7 +5,7 @@ step by step), as ratios to BF16.
 Targets (issue 4): a full-pipeline FP8 step costs at most 1.5x a BF16 step; Calibrated Clipping at
 K = 20 adds at most 5% to the average step (its two BF16 shadow forwards every K steps).
 
-    .venv/bin/python benchmarks/rl_step.py [--steps 5] [--malloc default|keep-freed] [--out results/bench/rl_step.json]
+    .venv/bin/python benchmarks/rl_step.py [--steps 5] [--out results/bench/rl_step.json]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from _provenance import write_json  # noqa: E402
 
 from fp8rl.config import RunConfig, with_overrides  # noqa: E402
 from fp8rl.job import build_trainer  # noqa: E402
-from fp8rl.malloc import malloc_state  # noqa: E402
+from fp8rl.tracking.provenance import allocator_settings  # noqa: E402
 
 PHASES = ("time/rollout", "time/old_logp", "time/shadow", "time/update", "time/step")
 CONFIGS = {
@@ -44,7 +44,6 @@ def bench_config(overrides: dict, args: argparse.Namespace) -> RunConfig:
         "tracking.enabled": False,
         "warmstart.steps": args.warmstart_steps,
         "algo.prompts_per_step": args.prompts,
-        "trainer.keep_freed_memory": args.malloc == "keep-freed",
     }
     return with_overrides(RunConfig(), {**base, **overrides})
 
@@ -68,13 +67,6 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step (x group size 8)")
     parser.add_argument("--warmstart-steps", type=int, default=400)
     parser.add_argument("--interval", type=int, default=20, help="calibration interval K for the overhead estimate")
-    parser.add_argument(
-        "--malloc",
-        choices=["keep-freed", "default"],
-        default="default",
-        help="allocator: glibc's defaults (as the trainer runs by default) or keep freed buffers "
-        "(trainer.keep_freed_memory=true, see fp8rl/malloc.py)",
-    )
     parser.add_argument("--out", type=str, default=None)
     args = parser.parse_args()
 
@@ -103,8 +95,8 @@ def main() -> None:
     print(f"full-pipeline FP8 (tensorwise) step / BF16 step = {fp8 / base:.2f} (target <= 1.5)")
     print(f"Calibrated Clipping at K={args.interval}: +{100 * calib_overhead:.2f}% of the FP8 step (target <= 5%)")
     print(f"({time.time() - started:.0f} s, {args.steps} timed steps per config, round-robin, median)")
-    print(f"allocator: {malloc_state()}")
-    record = {"benchmark": "rl_step", "args": vars(args), "malloc": malloc_state(), "seconds": results}
+    print(f"allocator: {allocator_settings()}")
+    record = {"benchmark": "rl_step", "args": vars(args), "malloc": allocator_settings(), "seconds": results}
     write_json(args.out, {**record, "summary": summary})
 
 

@@ -89,7 +89,10 @@ def clip_overhead(record: dict) -> list[str]:
 SECTIONS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "quant_throughput.json": ("FP8 quantization throughput (issue 2)", quant_throughput),
     "rl_step.json": ("RL step, FP8 vs BF16 (issue 4)", rl_step),
-    "rl_step.malloc-keep-freed.json": ("RL step with freed buffers kept (fp8rl/malloc.py, for comparison)", rl_step),
+    "rl_step.malloc-keep-freed.json": (
+        "RL step with freed buffers kept (glibc MALLOC_*_THRESHOLD_, for comparison)",
+        rl_step,
+    ),
     "clip_overhead.json": ("Calibrated Clipping and loss diagnostics vs the PPO loss", clip_overhead),
 }
 

@@ -24,17 +24,25 @@ class ConfigError(ValueError):
     """A config that cannot run; the message says what to change."""
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
-    """A config field with its one-line help (shown by ``make docs`` in docs/configuration.md)."""
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    neutral: tuple[Any, ...] = (),
+    hashed: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """A config field with its one-line help (shown by ``make docs`` in docs/configuration.md) and what it means
+    for a run's identity (``fp8rl.identity`` derives the config hash from these):
+
+    - ``hashed=False``: the field changes where or how fast a run runs, not what it computes;
+    - ``neutral``: for a field added after runs were published, the value(s) that reproduce the behaviour from
+      before it existed; at them the field is left out of the hash, so finished runs keep their identity."""
+    metadata = {"help": help, "neutral": tuple(neutral), "hashed": hashed}
     if isinstance(default, dict):
         frozen = dict(default)
-        return field(default_factory=lambda: dict(frozen), metadata={"help": help}, **kwargs)
-    return field(default=default, metadata={"help": help}, **kwargs)
-
-
-def help_of(cls: type, name: str) -> str:
-    """The help text of field `name` of config class `cls`."""
-    return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
+        return field(default_factory=lambda: dict(frozen), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 # Vocabularies that no registry owns: what the pipeline itself can do.
@@ -71,7 +79,9 @@ class AlgoConfig:
     kl_coef: float = option(0.0, "weight of the KL penalty to the reference (start) policy; 0 = off")
     kl_type: str = option("low_var_kl", "KL estimator (registry: k1, k2, low_var_kl)")
     dynamic_sampling: bool = option(False, "DAPO: drop groups whose rewards are all equal")
-    resample_rounds: int = option(0, "DAPO: extra rollout rounds that refill the batch with kept groups")
+    resample_rounds: int = option(
+        0, "DAPO: extra rollout rounds that refill the batch with kept groups", neutral=(None, 0)
+    )
     overlong_buffer: int = option(0, "DAPO overlong shaping buffer in tokens; 0 = off")
     overlong_factor: float = option(1.0, "DAPO overlong penalty factor")
     group_size: int = option(8, "G responses per prompt")
@@ -132,19 +142,23 @@ class PrecisionConfig:
         None,
         "round scales to powers of two; None = the recipe's preset (rowwise and mxfp8: true; tensorwise and "
         "blockwise: false, FP32 scales; TE's own blockwise default is true)",
+        neutral=(None,),
     )
     scaling: str = option("current", "tensorwise only: current or delayed (amax history)")
-    amax_history_len: int = option(16, "delayed scaling: amax history length")
-    amax_compute_algo: str = option("max", "delayed scaling: max over the history or most_recent")
-    margin: int = option(0, "delayed scaling: scale divided by 2^margin for headroom")
+    amax_history_len: int = option(16, "delayed scaling: amax history length", neutral=(16,))
+    amax_compute_algo: str = option("max", "delayed scaling: max over the history or most_recent", neutral=("max",))
+    margin: int = option(0, "delayed scaling: scale divided by 2^margin for headroom", neutral=(0,))
     backend: str = option("emulated", "emulated (fp8rl.quant, any device) or te (Transformer Engine, GPU)")
     fp8_kv_cache: bool = option(False, "FP8 (E4M3, unit-scale) KV cache in the rollout")
     amax_reduction: str = option(
         "te",
         "emulated tensorwise FP8 under TP: te (as Transformer Engine: current scaling reduces nothing without "
         "sequence parallelism, delayed scaling reduces every amax over TP) or tp_invariant (TP=N computes TP=1)",
+        neutral=("te",),
     )
-    compute: str = option("bf16", "precision of everything that is not an FP8 GEMM: bf16 autocast, or fp32 (tests)")
+    compute: str = option(
+        "bf16", "precision of everything that is not an FP8 GEMM: bf16 autocast, or fp32 (tests)", neutral=("bf16",)
+    )
 
     def __post_init__(self) -> None:
         _one_of(self.mode, PRECISION_MODES, "precision.mode")
@@ -183,6 +197,7 @@ class ClippingConfig:
         None,
         "calibrated: index of the step (0 = the first) whose shadow gives the first calibration, in force from "
         "the next step; then every K steps (None = K: the first K + 1 steps run at the initial bounds)",
+        neutral=(None,),
     )
     init_low: float | None = option(None, "calibrated: lower bound before the first calibration (None = 1 - eps_low)")
     init_high: float | None = option(None, "calibrated: upper bound before the first calibration (None = 1 + eps_high)")
@@ -192,6 +207,7 @@ class ClippingConfig:
         0,
         "calibrated: a calibration also pools the newest earlier shadow steps until it holds this many "
         "negative-advantage tokens (0 = its own step only, the paper's rule at its batch sizes)",
+        neutral=(0,),
     )
     rollout_correction: str = option("none", "none, or a correction (registry: tis_token, tis_seq, mis_*, icepop)")
     tis_cap: float = option(2.0, "TIS truncation C")
@@ -201,6 +217,7 @@ class ClippingConfig:
         0.0,
         "ablation (positive control), 0 = off: a negative-advantage token loses its gradient when its log-ratio "
         "plus N(0, std^2) noise falls to log(clip low) or below, as FP8 noise of that size would do",
+        neutral=(0.0,),
     )
 
     def __post_init__(self) -> None:
@@ -242,7 +259,9 @@ class PolicyConfig:
     """The policy model: a named preset or a Hugging Face checkpoint, and its device."""
 
     preset: str = option("tiny", "model preset (tiny, qwen3_8b, qwen3_14b, qwen2_5_32b)")
-    hf_path: str | None = option(None, "Hugging Face checkpoint folder (or hub id): weights, config, tokenizer")
+    hf_path: str | None = option(
+        None, "Hugging Face checkpoint folder (or hub id): weights, config, tokenizer", neutral=(None,)
+    )
     device: str = option("cpu", "cpu or cuda")
     outlier_channels: int = option(0, "ablation: activation outlier channels injected after the warm start")
     outlier_scale: float = option(1.0, "their magnitude factor (function-preserving; fp8rl.models.outliers)")
@@ -264,18 +283,20 @@ class PolicyConfig:
 class ParallelConfig:
     """Parallel layout (fp8rl.models.parallel): None = the model preset's layout; set a field to override it."""
 
-    tensor_parallel: int | None = option(None, "TP size (within a node)")
-    pipeline_parallel: int | None = option(None, "PP size")
-    nodes: int | None = option(None, "nodes per job (DP = nodes x GPUs / (TP x PP))")
-    gpus_per_node: int | None = option(None, "GPUs (= ranks) per node")
-    max_seq_len: int | None = option(None, "trainer sequence length")
-    micro_batch_size: int | None = option(None, "sequences per micro-batch and rank")
-    rollout_placement: str | None = option(None, "colocated (vLLM shares the trainer GPUs) or separate")
-    rollout_tensor_parallel: int | None = option(None, "vLLM's TP size")
-    rollout_gpus: int | None = option(None, "separate placement: GPUs per job reserved for vLLM")
-    distributed_optimizer: bool | None = option(None, "shard the optimizer state over DP (Megatron)")
-    activation_recompute: bool | None = option(None, "full activation recompute (Megatron)")
-    gpu_memory_gb: float | None = option(None, "per GPU, for the memory check (H100 80, H200 141)")
+    tensor_parallel: int | None = option(None, "TP size (within a node)", neutral=(None,))
+    pipeline_parallel: int | None = option(None, "PP size", neutral=(None,))
+    nodes: int | None = option(None, "nodes per job (DP = nodes x GPUs / (TP x PP))", neutral=(None,))
+    gpus_per_node: int | None = option(None, "GPUs (= ranks) per node", neutral=(None,))
+    max_seq_len: int | None = option(None, "trainer sequence length", neutral=(None,))
+    micro_batch_size: int | None = option(None, "sequences per micro-batch and rank", neutral=(None,))
+    rollout_placement: str | None = option(
+        None, "colocated (vLLM shares the trainer GPUs) or separate", neutral=(None,)
+    )
+    rollout_tensor_parallel: int | None = option(None, "vLLM's TP size", neutral=(None,))
+    rollout_gpus: int | None = option(None, "separate placement: GPUs per job reserved for vLLM", neutral=(None,))
+    distributed_optimizer: bool | None = option(None, "shard the optimizer state over DP (Megatron)", neutral=(None,))
+    activation_recompute: bool | None = option(None, "full activation recompute (Megatron)", neutral=(None,))
+    gpu_memory_gb: float | None = option(None, "per GPU, for the memory check (H100 80, H200 141)", neutral=(None,))
 
     def __post_init__(self) -> None:
         if self.rollout_placement is not None:
@@ -300,21 +321,34 @@ class TaskConfig:
     num_train: int = option(20000, "arithmetic: training problems")
     num_eval: int = option(256, "arithmetic: held-out problems")
     seed: int = option(0, "fixes the problem sets")
-    dataset: str | None = option(None, "math: training data set (dapo_math_17k, deepscaler)")
-    path: str | None = option(None, "math: local file or folder of the training data (None = the hub id)")
-    split: str | None = option(None, "math: data set split (None = the data set's default)")
-    eval_sets: tuple[str, ...] = option((), "math: evaluation benchmarks (aime24, aime25, amc23, math500)")
-    eval_paths: dict[str, str] = option({}, "math: benchmark -> local file or folder (default: the hub id)")
-    chat_template: bool = option(True, "math: prompt with the tokenizer's chat template (false = raw prompt)")
-    max_response_tokens: int | None = option(None, "math: response limit in tokens (None = the task's default)")
+    dataset: str | None = option(None, "math: training data set (dapo_math_17k, deepscaler)", neutral=(None,))
+    path: str | None = option(
+        None, "math: local file or folder of the training data (None = the hub id)", neutral=(None,)
+    )
+    split: str | None = option(None, "math: data set split (None = the data set's default)", neutral=(None,))
+    eval_sets: tuple[str, ...] = option(
+        (), "math: evaluation benchmarks (aime24, aime25, amc23, math500)", neutral=((), [])
+    )
+    eval_paths: dict[str, str] = option(
+        {}, "math: benchmark -> local file or folder (default: the hub id)", neutral=({},)
+    )
+    chat_template: bool = option(
+        True, "math: prompt with the tokenizer's chat template (false = raw prompt)", neutral=(True,)
+    )
+    max_response_tokens: int | None = option(
+        None, "math: response limit in tokens (None = the task's default)", neutral=(None,)
+    )
     overlong_prompts: str = option(
         "refuse",
         "math: prompts too long for the trainer's sequence with the response limit: refuse (before anything is "
         "built; the count and longest named) or filter (dropped, the count logged)",
+        neutral=("refuse",),
     )
-    min_operands: int = option(4, "chain: fewest operands of a sum (its response lists the running sums)")
-    max_operands: int = option(9, "chain: most operands of a sum")
-    junk_tokens: int = option(16, "chain: vocabulary tokens that no prompt or answer uses (mass can leak there)")
+    min_operands: int = option(4, "chain: fewest operands of a sum (its response lists the running sums)", neutral=(4,))
+    max_operands: int = option(9, "chain: most operands of a sum", neutral=(9,))
+    junk_tokens: int = option(
+        16, "chain: vocabulary tokens that no prompt or answer uses (mass can leak there)", neutral=(16,)
+    )
 
     def __post_init__(self) -> None:
         _require(self.num_train >= 1 and self.num_eval >= 1, "task.num_train and task.num_eval must be >= 1")
@@ -333,10 +367,12 @@ class EvalConfig:
 
     every: int = option(10, "evaluate every N steps (and at the end); 0 = only at the end")
     size: int = option(256, "problems per evaluation (per benchmark)")
-    samples: int = option(1, "samples per problem (k of Avg@k / Pass@k); 1 = one greedy answer")
-    temperature: float = option(0.6, "sampling temperature when samples > 1")
-    top_p: float = option(0.95, "nucleus mass when samples > 1")
-    bf16: bool = option(False, "also evaluate in BF16 (eval/bf16/...) to separate training damage from FP8 noise")
+    samples: int = option(1, "samples per problem (k of Avg@k / Pass@k); 1 = one greedy answer", neutral=(1,))
+    temperature: float = option(0.6, "sampling temperature when samples > 1", neutral=(0.6,))
+    top_p: float = option(0.95, "nucleus mass when samples > 1", neutral=(0.95,))
+    bf16: bool = option(
+        False, "also evaluate in BF16 (eval/bf16/...) to separate training damage from FP8 noise", neutral=(False,)
+    )
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"eval.every={self.every} must be >= 0")
@@ -351,16 +387,18 @@ class WarmStartConfig:
     steps: int = option(400, "SFT steps (0 = none)")
     batch_size: int = option(256, "SFT batch")
     lr: float = option(1e-3, "SFT learning rate (AdamW, constant)")
-    weight_decay: float = option(0.0, "SFT AdamW weight decay")
-    grad_clip: float = option(1.0, "SFT max global grad norm")
-    precision: str = option("bf16", "SFT compute precision: fp32 or bf16 autocast")
+    weight_decay: float = option(0.0, "SFT AdamW weight decay", neutral=(0.0,))
+    grad_clip: float = option(1.0, "SFT max global grad norm", neutral=(1.0,))
+    precision: str = option("bf16", "SFT compute precision: fp32 or bf16 autocast", neutral=("bf16",))
     seed: int = option(0, "SFT seed (model init and batches)")
-    eval_batch_size: int = option(512, "prompts per greedy-decoding batch in the warm start's evaluation")
-    cache_dir: str = option(".cache/warmstart", "where warm starts are cached")
+    eval_batch_size: int = option(512, "prompts per greedy-decoding batch in the warm start's evaluation", hashed=False)
+    cache_dir: str = option(".cache/warmstart", "where warm starts are cached", hashed=False)
     stop_accuracy: float | None = option(
-        None, "stop early once greedy held-out accuracy reaches this (a partly right start); None = run all steps"
+        None,
+        "stop early once greedy held-out accuracy reaches this (a partly right start); None = run all steps",
+        neutral=(None,),
     )
-    check_every: int = option(20, "steps between the accuracy checks of stop_accuracy")
+    check_every: int = option(20, "steps between the accuracy checks of stop_accuracy", neutral=(20,))
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"warmstart.steps={self.steps} must be >= 0")
@@ -380,14 +418,19 @@ class TrainerConfig:
     seed: int = option(0, "seeds prompts, sampling and everything else")
     checkpoint_every: int = option(10, "checkpoint every N steps; 0 = only at the end")
     keep_checkpoints: int = option(2, "most recent checkpoints kept")
-    out_dir: str | None = option(None, "checkpoints and run files; None = outputs/runs/<run name>-<config hash>")
-    resume: bool = option(True, "continue from the newest checkpoint in out_dir (false: move it aside, start fresh)")
+    out_dir: str | None = option(
+        None, "checkpoints and run files; None = outputs/runs/<run name>-<config hash>", hashed=False
+    )
+    resume: bool = option(
+        True, "continue from the newest checkpoint in out_dir (false: move it aside, start fresh)", hashed=False
+    )
     max_bad_steps: int = option(3, "stop after this many non-finite steps in a row")
-    export_every: int = option(0, "write a Hugging Face checkpoint (run folder's hf/) every N steps; 0 = never")
+    export_every: int = option(
+        0, "write a Hugging Face checkpoint (run folder's hf/) every N steps; 0 = never", neutral=(0,)
+    )
     shadow_every: int = option(0, "fp8_full: BF16 shadow diagnostics every N steps; 0 = calibration steps only")
     log_ratio_histograms: bool = option(True, "log BF16-shadow vs FP8 ratio histograms on shadow steps")
-    threads: int = option(0, "torch intra-op threads; 0 = torch's default")
-    keep_freed_memory: bool = option(False, "glibc: keep freed buffers for reuse (fp8rl.malloc); speed only")
+    threads: int = option(0, "torch intra-op threads; 0 = torch's default", hashed=False)
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "trainer.steps must be >= 1")
@@ -402,14 +445,18 @@ class TrainerConfig:
 class TrackingConfig:
     """MLflow tracking."""
 
-    enabled: bool = option(True, "false = no MLflow (tests)")
-    tracking_uri: str | None = option(None, "None = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir")
-    experiment: str = option("fp8rl", "MLflow experiment")
-    run_name: str | None = option(None, "MLflow run name (default: derived from the config)")
-    parent_run_id: str | None = option(None, "nest this run under a sweep's parent run")
-    tags: dict[str, str] = option({}, "extra tags (sweep axes)")
-    connect_timeout_s: float = option(10.0, "how long the store may take to answer before the run starts")
-    offline: bool = option(False, "store unreachable: train anyway, buffer locally, upload when it returns")
+    enabled: bool = option(True, "false = no MLflow (tests)", hashed=False)
+    tracking_uri: str | None = option(
+        None, "None = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir", hashed=False
+    )
+    experiment: str = option("fp8rl", "MLflow experiment", hashed=False)
+    run_name: str | None = option(None, "MLflow run name (default: derived from the config)", hashed=False)
+    parent_run_id: str | None = option(None, "nest this run under a sweep's parent run", hashed=False)
+    tags: dict[str, str] = option({}, "extra tags (sweep axes)", hashed=False)
+    connect_timeout_s: float = option(10.0, "how long the store may take to answer before the run starts", hashed=False)
+    offline: bool = option(
+        False, "store unreachable: train anyway, buffer locally, upload when it returns", hashed=False
+    )
 
     def __post_init__(self) -> None:
         _require(self.connect_timeout_s > 0, "tracking.connect_timeout_s must be > 0")

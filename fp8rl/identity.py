@@ -1,14 +1,17 @@
 """A run's identity: the config hash that sweeps skip finished runs by, its folder, and the config back from
 the flat params an MLflow run holds.
 
-A field added after runs were published must not change their hash: `HASH_NEUTRAL` names the value that
-reproduces the behaviour from before it existed, and at that value the field is left out of the hash (a test
-recomputes published runs' hashes from their params).
+Which fields enter the hash is declared where each field is declared (`fp8rl.config.option`: ``hashed=False``
+for where and how fast a run runs; ``neutral`` for a field added after runs were published, the value that
+reproduces the behaviour from before it existed, at which the field is left out). A test recomputes the
+published runs' hashes from their params, so a field added without its neutral value fails it.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -18,66 +21,37 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from fp8rl.config import ConfigError, RunConfig, flatten, from_dict, section_types, to_dict
 from fp8rl.quant.recipes import legacy_pow2_scale, recipe_of
 
-# Fields that change where or how a run is stored or how fast it runs, not what it computes.
-HASH_EXCLUDED = (
-    "tracking",
-    "trainer.out_dir",
-    "trainer.resume",
-    "trainer.threads",
-    "trainer.keep_freed_memory",
-    "warmstart.cache_dir",
-    "warmstart.eval_batch_size",
-)
-# Fields added after runs were published, with the value that reproduces the behaviour from before they
-# existed: at that value they are left out of the hash, so finished runs keep their identity.
-HASH_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "parallel.": (None,),
-    "algo.resample_rounds": (None, 0),
-    "clipping.pool_neg_tokens": (0,),
-    "clipping.first_step": (None,),
-    "precision.amax_history_len": (16,),
-    "precision.amax_compute_algo": ("max",),
-    "precision.margin": (0,),
-    "precision.compute": ("bf16",),
-    "precision.amax_reduction": ("te",),
-    "trainer.export_every": (0,),
-    "model.hf_path": (None,),
-    "task.dataset": (None,),
-    "task.path": (None,),
-    "task.split": (None,),
-    "task.eval_sets": ((), []),
-    "task.eval_paths": ({},),
-    "task.chat_template": (True,),
-    "task.max_response_tokens": (None,),
-    "task.overlong_prompts": ("refuse",),  # runs before it had no prompt too long (those could not run)
-    "eval.samples": (1,),
-    "eval.temperature": (0.6,),
-    "eval.top_p": (0.95,),
-    "eval.bf16": (False,),
-    "warmstart.weight_decay": (0.0,),
-    "warmstart.grad_clip": (1.0,),
-    "warmstart.precision": ("bf16",),
-    "warmstart.stop_accuracy": (None,),
-    "warmstart.check_every": (20,),
-    "task.min_operands": (4,),
-    "task.max_operands": (9,),
-    "task.junk_tokens": (16,),
-    "clipping.synthetic_overclip_std": (0.0,),
-    "precision.pow2_scale": (None,),  # hashed as run: `resolved_recipe` (None = the scale rounding of that time)
-}
+
+@functools.cache
+def identity_rules() -> tuple[tuple[str, ...], dict[str, tuple[Any, ...]]]:
+    """(the fields left out of the hash, the neutral values of fields added later), as each field declares them
+    (`fp8rl.config.option`'s ``hashed`` and ``neutral``): nothing to keep in step by hand."""
+    unhashed, neutral = [], {}
+    for section, cls in section_types().items():
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            if not f.metadata.get("hashed", True):
+                unhashed.append(key)
+            if f.metadata.get("neutral"):
+                neutral[key] = f.metadata["neutral"]
+    return tuple(unhashed), neutral
+
+
 # Fields renamed since runs were published: hashed under their old name.
 HASH_LEGACY_NAMES = {"eval.every": "trainer.eval_every", "eval.size": "trainer.eval_size"}
+# Fields removed since runs were published (none of them was hashed): skipped when a run's params are read back.
+REMOVED_FIELDS = ("trainer.keep_freed_memory",)
 
 
 def hash_view(cfg: RunConfig) -> dict[str, Any]:
     """The flat fields that define what a run computes, under the names finished runs were hashed with."""
     flat = {**flatten(to_dict(cfg)), **resolved_recipe(cfg)}
+    unhashed, neutral_values = identity_rules()
     view = {}
     for key, value in flat.items():
-        if any(key == e or key.startswith(e + ".") for e in HASH_EXCLUDED):
+        if any(key == e or key.startswith(e + ".") for e in unhashed):
             continue
-        neutral = next((v for k, v in HASH_NEUTRAL.items() if key == k or (k.endswith(".") and key.startswith(k))), ())
-        if _is_neutral(value, neutral):
+        if _is_neutral(value, neutral_values.get(key, ())):
             continue
         view[HASH_LEGACY_NAMES.get(key, key)] = list(value) if isinstance(value, tuple) else value
     return view
@@ -96,14 +70,14 @@ def resolved_recipe(cfg: RunConfig) -> dict[str, Any]:
     return {"precision.fmt": recipe.fmt, "precision.pow2_scale": pow2}
 
 
-def without_neutral(section: str, values: Mapping[str, Any]) -> dict[str, Any]:
-    """A section's fields without those at their `HASH_NEUTRAL` value (e.g. for a cache key that must not change
-    when a field is added)."""
+def hashed_fields(section: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """A section's fields as the hash sees them: without the unhashed ones and those at their neutral value
+    (the warm-start cache key uses the same rule as the run's hash)."""
+    unhashed, neutral_values = identity_rules()
     out = {}
     for name, value in values.items():
         key = f"{section}.{name}"
-        neutral = next((v for k, v in HASH_NEUTRAL.items() if key == k or (k.endswith(".") and key.startswith(k))), ())
-        if not _is_neutral(value, neutral):
+        if key not in unhashed and not _is_neutral(value, neutral_values.get(key, ())):
             out[name] = value
     return out
 
@@ -119,6 +93,8 @@ def from_params(params: Mapping[str, str]) -> RunConfig:
     nested: dict[str, dict[str, Any]] = {}
     sections = section_types()
     for key, text in params.items():
+        if key in REMOVED_FIELDS:
+            continue
         section, _, name = legacy.get(key, key).partition(".")
         if section not in sections:
             raise ConfigError(f"param {key!r} is not <section>.<field>")

@@ -184,3 +184,24 @@ def test_presets_run_verls_loss_where_the_paper_is_silent(algo: str) -> None:
     (actor.yaml loss_agg_mode / clip_ratio_c, core_algos.compute_policy_loss_vanilla): results/README.md."""
     cfg = _composed([f"algo={algo}"]).algo
     assert (cfg.loss_agg, cfg.policy_loss, cfg.dual_clip_c) == ("token-mean", "dual_clip", 3.0)
+
+
+def test_identity_is_declared_with_each_field() -> None:
+    """Which fields enter the hash comes from the fields' own declarations (`option(hashed=..., neutral=...)`):
+    there is no list to keep in step. A field added at its neutral value leaves the hash as it was."""
+    from fp8rl.identity import identity_rules
+
+    unhashed, neutral = identity_rules()
+    assert {"trainer.out_dir", "trainer.threads", "tracking.experiment", "warmstart.cache_dir"} <= set(unhashed)
+    assert neutral["task.overlong_prompts"] == ("refuse",) and neutral["parallel.tensor_parallel"] == (None,)
+    cfg = RunConfig()
+    moved = with_overrides(cfg, {"task.overlong_prompts": "filter"})
+    assert config_hash(moved) != config_hash(cfg)  # away from its neutral value it is part of the identity
+
+
+def test_params_of_a_removed_field_still_read_back() -> None:
+    """`trainer.keep_freed_memory` (glibc allocator tuning, speed only, never hashed) was removed; runs that
+    logged it keep their identity."""
+    params = {k: str(v) for k, v in flatten(to_dict(RunConfig())).items()}
+    params["trainer.keep_freed_memory"] = "False"
+    assert config_hash(from_params(params)) == config_hash(RunConfig())

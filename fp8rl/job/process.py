@@ -1,5 +1,5 @@
 """Process-wide settings of a job, applied once at its start (before provenance records them):
-torch threads, glibc's allocator, MLflow's HTTP patience, the loggers (one line per step to stdout and
+torch threads, MLflow's HTTP patience, the loggers (one line per step to stdout and
 ``train.log``; megatron's INFO chatter silenced)."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from fp8rl.config import TrainerConfig
-from fp8rl.malloc import keep_freed_memory
 
 # MLflow retries a dead server for minutes by default; a run should learn within seconds.
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
@@ -21,11 +20,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def apply_process_settings(cfg: TrainerConfig) -> None:
-    """Threads, allocator and MLflow's HTTP patience (a user's own environment values win)."""
+    """Threads and MLflow's HTTP patience (a user's own environment values win)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.keep_freed_memory:
-        keep_freed_memory()
     for key, value in MLFLOW_HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
 

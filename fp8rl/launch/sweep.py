@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -541,19 +540,3 @@ def _outcome(run: PlannedRun) -> str:
     final = run.result.get("final_eval") or {}
     acc = final.get("eval/accuracy")
     return f"run {run.result.get('run_id')}" + (f", eval/accuracy {acc:.3f}" if acc is not None else "")
-
-
-def plan_as_dict(report: SweepReport) -> list[dict[str, Any]]:
-    """The plan in plain data (tests, --json)."""
-    return [
-        {
-            "label": r.point.label,
-            "config_hash": r.config_hash,
-            "status": r.status,
-            "job_id": r.job_id,
-            "error": r.error,
-            "overrides": r.point.overrides,
-            "cfg": dataclasses.asdict(r.cfg),
-        }
-        for r in report.runs
-    ]

@@ -67,10 +67,6 @@ class Layout:
             parallel_state.get_data_parallel_rank(),
         )
 
-    @property
-    def last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
 
 def shard_for_tensor_parallel(full: Tensor, param: Tensor, tp_rank: int, tp_size: int) -> Tensor:
     """This rank's shard of a full (TP = 1) tensor for a megatron parameter, as megatron's CPU initialisation

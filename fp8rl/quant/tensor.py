@@ -141,11 +141,6 @@ def _restore_nonfinite(out: torch.Tensor, bits: torch.Tensor, fp8_dtype: torch.d
     return out
 
 
-def fp8_to_float32(data: torch.Tensor) -> torch.Tensor:
-    """FP8 -> float32, exact (see `fp8_to_float`)."""
-    return fp8_to_float(data, torch.float32)
-
-
 def _pad_to_blocks(x2d: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
     """Zero-pad (R, C) to multiples of the block shape; zeros never change a block's amax."""
     rows, cols = x2d.shape

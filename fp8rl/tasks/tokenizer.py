@@ -54,10 +54,6 @@ class CharTokenizer:
         """Text of ``ids``; special tokens dropped unless ``skip_special_tokens`` is False."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def id_to_char(self, token_id: int) -> str | None:
-        """The character (or special token) of one id, None if out of range."""
-        return self.tokenizer.id_to_token(token_id)
-
     def save(self, directory: str | Path, model_max_length: int) -> Path:
         """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``directory``."""
         directory = Path(directory)

@@ -9,8 +9,6 @@ import platform
 import subprocess
 from pathlib import Path
 
-from fp8rl.malloc import malloc_state
-
 TRACKED_PACKAGES = (
     "torch",
     "megatron-core",
@@ -56,13 +54,22 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+GLIBC_MALLOC_TUNABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+
+
+def allocator_settings() -> str:
+    """glibc's allocator settings from the environment (speed only; results are the same either way)."""
+    set_here = [f"{key}={os.environ[key]}" for key in GLIBC_MALLOC_TUNABLES if key in os.environ]
+    return ", ".join(set_here) if set_here else "default"
+
+
 def machine_info() -> dict[str, str]:
     info = {
         "hostname": platform.node(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": str(os.cpu_count()),
-        "malloc": malloc_state(),
+        "malloc": allocator_settings(),
     }
     try:
         import torch

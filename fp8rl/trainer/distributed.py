@@ -23,10 +23,6 @@ class DataParallel:
     size: int = 1
     group: Any = None
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
     def share(self, num_items: int) -> slice:
         """This rank's contiguous share of `num_items` items (num_items must divide evenly)."""
         if num_items % self.size:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fp8rl.config import TaskConfig, WarmStartConfig
-from fp8rl.identity import without_neutral
+from fp8rl.identity import hashed_fields
 from fp8rl.models.config import ModelConfig, with_tokenizer_vocab
 from fp8rl.models.generate import generate
 from fp8rl.models.gpt import build_gpt_model, compute_precision
@@ -41,11 +41,9 @@ from fp8rl.models.logprobs import forward_logits, left_pad
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.tasks.base import Problem, Task, garble_metrics
 
-CACHE_FORMAT_VERSION = 2  # bump when the training recipe or the file layout changes meaning
-# Fields added after format 2 was cached: left out of the key at their neutral value (identity.HASH_NEUTRAL), so
-# warm starts cached before they existed keep their key.
-ADDED_TASK_FIELDS = ("min_operands", "max_operands", "junk_tokens", "overlong_prompts")
-ADDED_WARMSTART_FIELDS = ("stop_accuracy", "check_every")
+# Bump when the training recipe or the file layout changes meaning. 3: the key is the run hash's view of the task
+# and warm-start sections (`identity.hashed_fields`); format 2 kept its own list of added fields.
+CACHE_FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -58,19 +56,13 @@ class WarmStartResult:
 
 def warmstart_key(model_cfg: ModelConfig, task_cfg: TaskConfig, ws_cfg: WarmStartConfig) -> str:
     """16 hex digits identifying a warm start (model config with resolved vocab, task config, recipe)."""
-    recipe = {k: v for k, v in dataclasses.asdict(ws_cfg).items() if k not in ("cache_dir", "eval_batch_size")}
     payload = {
         "format": CACHE_FORMAT_VERSION,
         "model": dataclasses.asdict(model_cfg),
-        "task": _drop_neutral_added("task", dataclasses.asdict(task_cfg), ADDED_TASK_FIELDS),
-        "warmstart": _drop_neutral_added("warmstart", recipe, ADDED_WARMSTART_FIELDS),
+        "task": hashed_fields("task", dataclasses.asdict(task_cfg)),
+        "warmstart": hashed_fields("warmstart", dataclasses.asdict(ws_cfg)),
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _drop_neutral_added(section: str, values: dict[str, Any], added: tuple[str, ...]) -> dict[str, Any]:
-    kept = without_neutral(section, {k: values[k] for k in added})
-    return {k: v for k, v in values.items() if k not in added or k in kept}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:

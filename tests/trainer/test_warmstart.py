@@ -122,13 +122,15 @@ def test_failed_write_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_fields_added_later_leave_the_key_of_older_warm_starts_alone(model_cfg):
-    # The key of the default recipe, computed before stop_accuracy / check_every and the chain task's fields
-    # existed, must not change (caches on every machine hold it); setting one of them changes it.
+def test_fields_added_later_leave_the_key_alone_at_their_neutral_value(model_cfg):
+    # Format 3: the key is the run hash's view of the task and warm-start sections (fields at their declared
+    # neutral value left out), so a field added later with a neutral value keeps the key of the caches on every
+    # machine; setting one of them changes it. Format 2 (3835b8b2b84f92dc here) kept a list of its own.
     base = warmstart_key(model_cfg, TASK_CFG, QUICK)
-    assert base == "3835b8b2b84f92dc"  # computed by the code at 3555abc, before the fields were added
+    assert base == "0841b4aea4a42eab"  # computed by the code at the format bump
     assert warmstart_key(model_cfg, TASK_CFG, dataclasses.replace(QUICK, stop_accuracy=0.5)) != base
     assert warmstart_key(model_cfg, dataclasses.replace(TASK_CFG, junk_tokens=3), QUICK) != base
+    assert warmstart_key(model_cfg, dataclasses.replace(TASK_CFG, overlong_prompts="filter"), QUICK) != base
 
 
 def test_stops_at_the_first_check_that_reaches_the_accuracy(task, model_cfg, monkeypatch):
