@@ -28,9 +28,12 @@ RECAL_K ?= $(if $(filter paper,$(SCALE)),10$(comma)20$(comma)40,2$(comma)5$(comm
 REPRO_SWEEP = $(VENV)/bin/fp8rl sweep --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(SWEEP_ARGS)
 REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 
-.PHONY: setup golden test test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
+help:  ## this list
+	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):.*## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-18s %s\n", $$1, $$2}'
 
-setup: $(STAMP)
+.PHONY: help setup golden test test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
+
+setup: $(STAMP)  ## the venv with torch (CPU) and fp8rl[dev,bench]; every target runs it (idempotent)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -40,35 +43,35 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.stamp-*
 	@touch $@
 
-test: setup
+test: setup  ## the tests, without the multi-rank and integration lanes
 	$(PY) -m pytest -q -m "not integration and not distributed" $(PYTEST_ARGS) tests
 
 # Multi-rank jobs (torchrun, gloo): DP, TP, PP and TP x DP steps against one process, resume of a 2-rank job.
-test-distributed: setup
+test-distributed: setup  ## the multi-rank lane (torchrun on gloo)
 	$(PY) -m pytest -q -m distributed $(PYTEST_ARGS) tests/distributed
 
-test-fast: setup
+test-fast: setup  ## the tests without the slow ones
 	$(PY) -m pytest -q -m "not integration and not slow and not distributed" $(PYTEST_ARGS) tests
 
-lint: setup
+lint: setup  ## ruff, and the generated docs tables up to date
 	$(PY) -m ruff check fp8rl tests benchmarks
 	$(PY) -m fp8rl.docs docs/configuration.md docs/metrics.md --check
 
-docs: setup
+docs: setup  ## regenerate docs/configuration.md and docs/metrics.md
 	$(PY) -m fp8rl.docs docs/configuration.md docs/metrics.md --write
 
-demo: setup
+demo: setup  ## the main job on the embedded defaults: BF16 vs FP8 vs FP8 + Calibrated Clipping
 	$(PY) -m fp8rl.demo
 
 # The golden per-step record (tests/golden/steps.json) that tests/test_golden.py compares every change with:
 # re-record only for a deliberate change of behaviour (and say why in the commit).
-golden: setup
+golden: setup  ## re-record the golden per-step record (a deliberate change of behaviour only)
 	$(PY) -m tests.golden.record --check-machine
 
 # Screenshots of the MLflow UI over the demo's runs (runs table, charts, run pages, an artifact, the compare
 # view) into results/ui/: Debian's Chromium (installed here, as root) driven by Playwright (the `ui` extra).
 UI_OUT ?= results/ui
-ui-snapshot: setup
+ui-snapshot: setup  ## screenshots of the MLflow UI into results/ui/
 	@command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 	@$(PY) -c "import playwright" 2>/dev/null || $(PIP) install -q --disable-pip-version-check -e '.[ui]'
 	$(PY) -m fp8rl.tracking.ui_snapshot --experiment fp8rl-demo --out $(UI_OUT)
@@ -76,12 +79,12 @@ ui-snapshot: setup
 # scale=mini's assets: a random Qwen3-architecture checkpoint with a BPE tokenizer and math data files in the
 # published schemas (made-up problems), written once to .cache/mini.
 MINI := .cache/mini
-mini-assets: setup $(MINI)/model/config.json
+mini-assets: setup $(MINI)/model/config.json  ## scale=mini assets (a random Qwen3-shaped checkpoint, math files) in .cache/mini
 
 $(MINI)/model/config.json:
 	$(PY) -m fp8rl.tasks.math.mini --out $(MINI)
 
-bench: setup
+bench: setup  ## the CPU benchmarks into results/bench/ (ratios in one run, with provenance)
 	$(PY) benchmarks/quant_throughput.py --out $(BENCH_OUT)/quant_throughput.json
 	$(PY) benchmarks/clip_overhead.py --out $(BENCH_OUT)/clip_overhead.json
 	$(PY) benchmarks/rl_step.py --out $(BENCH_OUT)/rl_step.json
@@ -90,31 +93,31 @@ bench: setup
 	$(PY) benchmarks/summarize.py $(BENCH_OUT)
 
 # Sweeps: one file per paper table / ablation in sweeps/experiment/ (`.venv/bin/fp8rl experiments`).
-sweep: setup
+sweep: setup  ## one experiment: make sweep EXP=<name> [LAUNCHER=local|slurm] [SCALE=tiny|paper]
 	@test -n "$(EXP)" || { echo "usage: make sweep EXP=<experiment> [LAUNCHER=local|slurm] [SCALE=tiny|paper] [PROFILE=<slurm profile>] [DRY_RUN=1]"; $(VENV)/bin/fp8rl experiments; exit 2; }
 	$(VENV)/bin/fp8rl sweep $(EXP) --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(if $(DRY_RUN),--dry-run) $(SWEEP_ARGS)
 
-compare: setup
+compare: setup  ## one experiment's table from MLflow: make compare EXP=<name> [SCALE=tiny|paper]
 	$(VENV)/bin/fp8rl compare --experiment $(EXP)-$(SCALE) --out results/$(EXP)-$(SCALE) $(COMPARE_ARGS)
 
 # ------------------------------------------------------------------------------------------ paper reproduction
 # Each target runs its sweep (finished runs are found in MLflow and skipped, so a re-run only fills gaps)
 # and rebuilds its table from MLflow into $(RESULTS). SCALE=paper LAUNCHER=slurm sends the same sweeps to
 # a cluster (PROFILE=<slurm profile>); rebuild the tables once the jobs have finished.
-mechanism: setup
+mechanism: setup  ## the one-step mechanism study
 	@test "$(SCALE)" = tiny || { echo "make mechanism is the CPU one-step study (SCALE=tiny); at paper scale the tables' shadow diagnostics (clip/overclip_neg) carry it"; exit 2; }
 	$(PY) -m fp8rl.studies.mechanism
 	$(REPORT) mechanism
 
-table-grpo: setup
+table-grpo: setup  ## the GRPO table (sweep + table)
 	$(REPRO_SWEEP) grpo_granularity trainer.seed=$(SEEDS)
 	$(REPORT) table grpo_granularity
 
-table-dapo: setup
+table-dapo: setup  ## the DAPO table (sweep + table)
 	$(REPRO_SWEEP) dapo_table trainer.seed=$(SEEDS)
 	$(REPORT) table dapo_table
 
-ablation: setup
+ablation: setup  ## the Calibrated Clipping ablations
 	$(REPRO_SWEEP) ablation_recal_interval clipping.interval=$(RECAL_K) trainer.seed=$(SEEDS)
 	$(REPRO_SWEEP) ablation_init_bounds trainer.seed=$(SEEDS)
 	$(REPRO_SWEEP) ablation_lower_only trainer.seed=$(SEEDS)
@@ -123,11 +126,11 @@ ablation: setup
 	$(REPORT) reruns ablation_first_calibration
 
 # Stronger settings for effects the tiny tables do not show (results/README.md): activation outliers, longer runs.
-stress: setup
+stress: setup  ## the activation-outlier stress table
 	$(REPRO_SWEEP) stress_outliers trainer.seed=$(SEEDS)
 	$(REPORT) table stress_outliers
 
-figures: setup
+figures: setup  ## the figures from MLflow
 	$(REPORT) figures
 
 # The CPU-scale collapse study (design and pre-registered endpoints in results/README.md): the lr pilot (the
@@ -140,67 +143,67 @@ COLLAPSE_REPORT = $(PY) -m fp8rl.studies.collapse --scale tiny --out results/tin
 COLLAPSE_PILOT_LRS ?= 3e-6,1e-5,3e-5,1e-4
 # The control's length: 10 minutes at the pilot's 5.1 s/step (results/tiny/collapse_pilot.md), at least 100.
 COLLAPSE_CONTROL_STEPS ?= 117
-collapse-pilot: setup
+collapse-pilot: setup  ## collapse study: learning-rate pilot
 	$(COLLAPSE) +experiment/arm=fp8_tensorwise_kv algo.lr=$(COLLAPSE_PILOT_LRS) trainer.steps=10 trainer.shadow_every=1 \
 		eval.every=0 eval.size=64 tracking.experiment=collapse_pilot-tiny
 	$(COLLAPSE_REPORT) pilot
 
-collapse-control: setup
+collapse-control: setup  ## collapse study: positive control (gate)
 	$(COLLAPSE) +experiment/arm=control_overclip,bf16 trainer.steps=$(COLLAPSE_CONTROL_STEPS) \
 		tracking.experiment=collapse_control-tiny
 	$(COLLAPSE_REPORT) control
 
 # The whole pre-registered study: pilot, control, and the 9 runs only if the control accumulates junk (exit 3
 # of `control --gate` stops it there, as the design says). Finished runs are found in MLflow and not re-run.
-collapse: collapse-pilot collapse-control
+collapse: collapse-pilot collapse-control  ## the collapse study (pilot, control, arms if the control passes)
 	@$(COLLAPSE_REPORT) control --gate; status=$$?; \
 	if [ $$status -eq 3 ]; then exit 0; elif [ $$status -ne 0 ]; then exit $$status; fi; \
 	for seed in $(subst $(comma), ,$(SEEDS)); do $(COLLAPSE) trainer.seed=$$seed || exit 1; done; \
 	$(REPORT) table collapse && $(COLLAPSE_REPORT) verdict
 
 # Issue 18's endpoint (CC within 1.5x of BF16's clip/low_neg) with 10 seeds: seeds 3-9 for BF16 and the CC arms
-cc-endpoint: setup
+cc-endpoint: setup  ## Calibrated Clipping endpoint on 10 seeds
 	$(REPRO_SWEEP) grpo_granularity trainer.seed=$(ENDPOINT_SEEDS) +experiment/arm=bf16,cc_tensorwise,cc_rowwise,cc_blockwise
 	$(REPORT) table grpo_granularity
 
 # The rest of the GRPO table to 10 seeds (pre-registered in results/README.md): seeds 3-9 for vanilla FP8 and
 # the FP8-rollout arm, so vanilla against BF16 and Calibrated Clipping against vanilla are paired on 10 seeds
-grpo-seeds: setup
+grpo-seeds: setup  ## the GRPO table to 10 seeds
 	$(REPRO_SWEEP) grpo_granularity trainer.seed=$(ENDPOINT_SEEDS) +experiment/arm=fp8_rollout_tis,fp8_tensorwise,fp8_rowwise,fp8_blockwise
 	$(REPORT) table grpo_granularity
 
-reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo $(if $(filter tiny,$(SCALE)),cc-endpoint grpo-seeds) table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures
+reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo $(if $(filter tiny,$(SCALE)),cc-endpoint grpo-seeds) table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures  ## every table and figure of results/<scale>/
 	$(REPORT) index
 
 # The GPU path's one prepared check (a GPU host with the `gpu` extra): tests + timed ratios into results/gpu/.
-gpu-check:
+gpu-check:  ## the GPU check (a GPU host with the gpu extra) into results/gpu/
 	bash benchmarks/gpu_check.sh
 
-bench-launch: setup slurm-up
+bench-launch: setup slurm-up  ## launcher overhead, local vs Slurm
 	$(PY) benchmarks/launch_overhead.py --out $(BENCH_OUT)/launch_overhead.json
 
-mlflow-ui: setup
+mlflow-ui: setup  ## the MLflow UI over the local store
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
 
 # Local one-node Slurm cluster for dev/CI (root; see slurm/README.md).
-slurm-up:
+slurm-up:  ## start the local one-node Slurm
 	bash slurm/local/up.sh
 
-slurm-down:
+slurm-down:  ## stop it
 	bash slurm/local/down.sh
 
-slurm-purge:
+slurm-purge:  ## stop it and remove its state
 	bash slurm/local/down.sh --purge
 
 # The integration lane: the local Slurm tests in .venv, the vLLM tests in .venv-vllm.
 # FP8RL_REQUIRE_VLLM=1 turns a skipped vLLM test into a failure. INTEGRATION_PATHS widens the
 # Slurm/MLflow part: local cluster tests and the 4-run sweep on Slurm with an MLflow server.
 INTEGRATION_PATHS ?= tests/slurm tests/launch
-test-integration: setup slurm-up setup-vllm
+test-integration: setup slurm-up setup-vllm  ## the integration lane: local Slurm and vLLM
 	$(PY) -m pytest -q -m integration $(PYTEST_ARGS) $(INTEGRATION_PATHS)
 	FP8RL_REQUIRE_VLLM=1 $(PY_VLLM) -m pytest -q $(PYTEST_ARGS) tests/rollout tests/models/test_hf.py
 
-setup-vllm: $(STAMP_VLLM)
+setup-vllm: $(STAMP_VLLM)  ## the vLLM venv (.venv-vllm)
 
 $(STAMP_VLLM): pyproject.toml
 	@test -x $(PY_VLLM) || $(PY_SYS) -m venv $(VENV_VLLM)
@@ -212,11 +215,11 @@ $(STAMP_VLLM): pyproject.toml
 	@rm -f $(VENV_VLLM)/.stamp-*
 	@touch $@
 
-test-vllm: setup-vllm
+test-vllm: setup-vllm  ## the vLLM tests
 	FP8RL_REQUIRE_VLLM=1 $(PY_VLLM) -m pytest -q $(PYTEST_ARGS) tests/rollout tests/models/test_hf.py
 
-bench-rollout: setup-vllm
+bench-rollout: setup-vllm  ## built-in engine vs vLLM rollout
 	$(PY_VLLM) benchmarks/rollout.py --out $(BENCH_OUT)/rollout.json
 
-clean:
+clean:  ## remove the venv and the tool caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -10,6 +10,7 @@ it ends, the MLflow run is marked: FINISHED, FAILED (an exception), KILLED (SIGI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from fp8rl.config import ConfigError, RunConfig, flatten, to_dict
 from fp8rl.identity import config_hash, default_run_name, run_dir
 from fp8rl.job import signals
 from fp8rl.job.distributed import DistEnv, dist_env_from_environ, init_distributed, shutdown_distributed
+from fp8rl.job.lock import RunFolderInUse, run_folder_lock
 from fp8rl.job.parts import build_parts
 from fp8rl.job.process import apply_process_settings, close_log_file, setup_logging
 from fp8rl.preflight import check_environment, run_layout
@@ -70,6 +72,20 @@ def run_job(
 
 def _run(cfg, env: DistEnv, tracker, stop_after, hydra_dir, submitted_at) -> RunSummary:
     out_dir = run_dir(cfg)
+    with contextlib.ExitStack() as held:
+        refusal = None
+        if env.rank == 0:  # before anything is written to the folder: one writer per run folder
+            try:
+                held.enter_context(run_folder_lock(out_dir))
+            except RunFolderInUse as err:
+                refusal = str(err)
+        refusal = _broadcast(refusal)
+        if refusal is not None:
+            raise RunFolderInUse(refusal)
+        return _run_in_folder(cfg, env, out_dir, tracker, stop_after, hydra_dir, submitted_at)
+
+
+def _run_in_folder(cfg, env: DistEnv, out_dir: str, tracker, stop_after, hydra_dir, submitted_at) -> RunSummary:
     layout = run_layout(cfg, env.world_size)
     check_environment(cfg)
     apply_process_settings(cfg.trainer)

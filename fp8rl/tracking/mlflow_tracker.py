@@ -19,6 +19,7 @@ The trainer is handed a `Tracker`; the maths never imports this module.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -26,6 +27,7 @@ import os
 import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -40,7 +42,12 @@ FINISH_WAIT_S = 120.0
 WAL_NAME = "tracking_wal.jsonl"
 DATASET_CONTEXT_TAG = "mlflow.data.context"  # MLflow's standard input tag: training / evaluation
 EXPERIMENT_KIND = "finetuning"  # the MLflow UI's model-training view (not the GenAI one)
-_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+# userinfo runs to the LAST "@" before the host (a password may hold "@"); query secrets by parameter name
+_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s]*@")
+_QUERY_SECRETS = re.compile(
+    r"(?P<key>[?&](?:access_token|token|api_key|apikey|key|password|passwd|secret|sig|signature)=)[^&\s#'\"]+",
+    re.IGNORECASE,
+)
 _METRIC_NAME_INVALID = re.compile(r"[^A-Za-z0-9_\-. :/]")  # what MLflow accepts in a metric name
 _REQUEST_ERRORS = ("INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE")
 
@@ -95,25 +102,45 @@ def resolve_tracking_uri(configured: str | None) -> str:
 
 
 def redact(value: str) -> str:
-    """``https://user:token@host/x`` -> ``https://***@host/x`` (credentials never reach params or tags)."""
-    return _CREDENTIALS.sub(r"\g<scheme>***@", value)
+    """``https://user:token@host/x?token=t`` -> ``https://***@host/x?token=***``: credentials in a URI's userinfo
+    (a password may hold ``@``) and secret query parameters never reach params, tags, logs or files."""
+    return _QUERY_SECRETS.sub(r"\g<key>***", _CREDENTIALS.sub(r"\g<scheme>***@", value))
+
+
+def _health_request(uri: str) -> urllib.request.Request:
+    """GET <uri>/health, with a URI's userinfo (``https://user:token@host``, which MLflow accepts) sent as HTTP
+    basic authentication rather than left in the host name, where urllib would look it up as a DNS name."""
+    parts = urllib.parse.urlsplit(uri.rstrip("/"))
+    host = parts.netloc.rpartition("@")[2]
+    url = urllib.parse.urlunsplit((parts.scheme, host, parts.path + "/health", parts.query, ""))
+    request = urllib.request.Request(url)
+    if "@" in parts.netloc:
+        user, _, password = parts.netloc.rpartition("@")[0].partition(":")
+        secret = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()
+        request.add_header("Authorization", "Basic " + base64.b64encode(secret).decode())
+    return request
 
 
 def probe_store(uri: str, timeout_s: float) -> None:
     """Raise TrackingUnavailable when the store at `uri` cannot be reached within `timeout_s` seconds."""
     if uri.startswith(("http://", "https://")):
-        url = uri.rstrip("/") + "/health"
+        request = _health_request(uri)
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - the user's store
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 - the user's store
                 if response.status == 200:
                     return
                 raise TrackingUnavailable(f"MLflow server {redact(uri)} answered {response.status} on /health")
+        except urllib.error.HTTPError as err:
+            raise TrackingUnavailable(
+                f"MLflow server {redact(uri)} answered {err.code} ({err.reason}) on /health: check the URI and "
+                "its credentials"
+            ) from None
         except (urllib.error.URLError, OSError) as err:
             raise TrackingUnavailable(
-                f"MLflow server {redact(uri)} did not answer within {timeout_s:.0f} s ({err}). Start it, point "
-                "tracking.tracking_uri (or $MLFLOW_TRACKING_URI) at a live store, set tracking.offline=true to "
-                "train now and upload later, or tracking.enabled=false"
-            ) from err
+                f"MLflow server {redact(uri)} did not answer within {timeout_s:.0f} s ({redact(str(err))}). Start "
+                "it, point tracking.tracking_uri (or $MLFLOW_TRACKING_URI) at a live store, set "
+                "tracking.offline=true to train now and upload later, or tracking.enabled=false"
+            ) from None
     if uri.startswith("sqlite:///"):
         folder = Path(uri.removeprefix("sqlite:///")).resolve().parent
         if not folder.is_dir():

@@ -185,3 +185,40 @@ def test_a_job_that_loses_the_race_to_restore_the_experiment_takes_it(sqlite_uri
 
     assert ensure_experiment(RestoredByAnother(sqlite_uri), "unit") == exp_id
     assert ensure_experiment(RestoredByAnother(sqlite_uri), "absent", create=False) is None
+
+
+def test_redaction_covers_at_signs_in_passwords_and_query_tokens() -> None:
+    assert redact("https://user:p@ss@host:5000/x") == "https://***@host:5000/x"
+    assert redact("see https://h/api?token=abc&x=1 and http://h/?Access_Token=z#f") == (
+        "see https://h/api?token=***&x=1 and http://h/?Access_Token=***#f"
+    )
+    assert redact("https://h/x?page=2") == "https://h/x?page=2"
+
+
+def test_the_store_probe_sends_a_uris_credentials_as_basic_auth() -> None:
+    """MLflow accepts ``https://user:token@host``; the probe must too (urllib alone looks the userinfo up as DNS)."""
+    import base64
+    import http.server
+    import threading
+
+    expected = "Basic " + base64.b64encode(b"user:p@ss").decode()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            ok = self.path == "/health" and self.headers.get("Authorization") == expected
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        probe_store(f"http://user:p%40ss@127.0.0.1:{port}", 5)
+        with pytest.raises(TrackingUnavailable, match="answered 401") as refused:
+            probe_store(f"http://user:wrong-token@127.0.0.1:{port}", 5)
+        assert "wrong-token" not in str(refused.value)
+    finally:
+        server.shutdown()
