@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from fp8rl.config import ConfigError
+from fp8rl.tracking.mlflow_tracker import TrackingUnavailable
 
 
 def _launcher_option(text: str) -> tuple[str, Any]:
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         return _experiments()
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except TrackingUnavailable as err:
+        print(f"tracking store unavailable: {err}", file=sys.stderr)
         return 2
 
 

@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 
 from fp8rl.config import TrainerConfig
+from fp8rl.tracking.mlflow_tracker import MLFLOW_HTTP_DEFAULTS
 
-# MLflow retries a dead server for minutes by default; a run should learn within seconds.
-MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 QUIET_LOGGERS = ("megatron", "megatron.core", "torch.distributed", "alembic", "urllib3", "mlflow.system_metrics")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

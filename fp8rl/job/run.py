@@ -72,6 +72,8 @@ def run_job(
 
 def _run(cfg, env: DistEnv, tracker, stop_after, hydra_dir, submitted_at) -> RunSummary:
     out_dir = run_dir(cfg)
+    layout = run_layout(cfg, env.world_size)
+    check_environment(cfg)  # refusals first: a bad config leaves no run folder behind
     with contextlib.ExitStack() as held:
         refusal = None
         if env.rank == 0:  # before anything is written to the folder: one writer per run folder
@@ -82,12 +84,10 @@ def _run(cfg, env: DistEnv, tracker, stop_after, hydra_dir, submitted_at) -> Run
         refusal = _broadcast(refusal)
         if refusal is not None:
             raise RunFolderInUse(refusal)
-        return _run_in_folder(cfg, env, out_dir, tracker, stop_after, hydra_dir, submitted_at)
+        return _run_in_folder(cfg, env, out_dir, layout, tracker, stop_after, hydra_dir, submitted_at)
 
 
-def _run_in_folder(cfg, env: DistEnv, out_dir: str, tracker, stop_after, hydra_dir, submitted_at) -> RunSummary:
-    layout = run_layout(cfg, env.world_size)
-    check_environment(cfg)
+def _run_in_folder(cfg, env: DistEnv, out_dir: str, layout, tracker, stop_after, hydra_dir, submitted_at) -> RunSummary:
     apply_process_settings(cfg.trainer)
     setup_logging(out_dir, env.rank)
     from fp8rl.models.runtime import init_megatron

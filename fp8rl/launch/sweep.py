@@ -31,6 +31,7 @@ from fp8rl.identity import config_hash
 from fp8rl.launch.experiment import SweepDefinition, SweepPoint, axis_tag, expand_experiment, expand_points
 from fp8rl.launch.launchers import Launcher, check_fits, make_executor, resolve_launcher
 from fp8rl.tracking import store
+from fp8rl.tracking.mlflow_tracker import MLFLOW_HTTP_DEFAULTS, probe_store, redact
 
 DEFAULT_ROOT = Path("outputs/sweeps")
 SLURM_POLL_S = 2.0  # seconds between squeue/sacct looks while waiting for a sweep's Slurm jobs
@@ -212,6 +213,9 @@ def mark_existing(report: SweepReport, create: bool, definition: SweepDefinition
     """Find the sweep's MLflow experiment and parent run; mark finished / resumable points."""
     if not create and not store.store_exists(report.tracking_uri):
         return  # a dry run creates nothing, not even an empty sqlite store
+    for key, value in MLFLOW_HTTP_DEFAULTS.items():  # MLflow's own retries would hang minutes on a dead server
+        os.environ.setdefault(key, value)
+    probe_store(report.tracking_uri, _first_cfg(definition).tracking.connect_timeout_s)
     mlflow_client = store.client(report.tracking_uri)
     report.experiment_id = store.experiment_id(mlflow_client, report.name, create=create)
     if report.experiment_id is None:
@@ -470,7 +474,7 @@ def print_report(report: SweepReport, console: Any | None = None) -> None:
 
     console = console or wide_console()
     verb = "would submit" if report.dry_run else "submitted"
-    table = Table(title=f"sweep {report.name} ({report.launcher}; MLflow {report.tracking_uri})")
+    table = Table(title=f"sweep {report.name} ({report.launcher}; MLflow {redact(report.tracking_uri)})")
     for column in ("#", "point", "config hash", "status", "job", "result"):
         table.add_column(column)
     for index, run in enumerate(report.runs):

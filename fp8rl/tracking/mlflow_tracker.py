@@ -52,6 +52,10 @@ _METRIC_NAME_INVALID = re.compile(r"[^A-Za-z0-9_\-. :/]")  # what MLflow accepts
 _REQUEST_ERRORS = ("INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE")
 
 
+# MLflow retries a dead server for minutes by default; a run (and a sweep's lookups) should learn within seconds.
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
 class TrackingUnavailable(RuntimeError):
     """The tracking store did not answer; the message says what to do."""
 

@@ -49,3 +49,22 @@ def test_compare_of_an_unknown_experiment(sqlite_uri: str) -> None:
     runs.client(sqlite_uri).search_experiments()  # creates the store
     with pytest.raises(SystemExit, match="no MLflow experiment 'nope' in sqlite:///mlflow.db: run its sweep first"):
         main(["compare", "--experiment", "nope", "--tracking-uri", sqlite_uri])
+
+
+def test_a_sweep_on_a_dead_tracking_server_is_refused_in_seconds_without_its_token(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The launcher's MLflow lookups are probed first (they hung 257 s in HTTP retries, then a raw traceback)."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = f"http://user:s3cret@127.0.0.1:{port}"
+    started = time.monotonic()
+    argv = ["sweep", "ablation_recal_interval", "--dry-run", "--root", str(tmp_path), "--tracking-uri", dead]
+    assert main(argv) == 2
+    assert time.monotonic() - started < 60
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "tracking.offline=true" in err and "s3cret" not in err
