@@ -13,6 +13,7 @@ a learned-absolute embedding would also be right.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -23,6 +24,15 @@ from torch import Tensor
 class Sequences(Protocol):
     """A micro-batch the model scores: ids and mask (b, s) in the layout above, the last `response_len`
     columns the response; the caller's loss reads whatever else it carries (the trainer's ``MicroBatch``)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_len: int
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """The plain `Sequences`: what the model scores and nothing else."""
 
     input_ids: Tensor
     attention_mask: Tensor

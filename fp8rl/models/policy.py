@@ -33,6 +33,7 @@ from fp8rl.models.config import ModelConfig
 from fp8rl.models.generate import GenerationOutput, generate
 from fp8rl.models.gpt import build_gpt_model
 from fp8rl.models.logprobs import (
+    SequenceBatch,
     Sequences,
     causal_padding_mask,
     logprobs_and_entropy_from_logits,
@@ -143,7 +144,7 @@ class Policy:
         if self.layout.pp > 1:
             from fp8rl.models.pipeline import pipeline_logprobs
 
-            mb = {"input_ids": input_ids, "attention_mask": attention_mask, "response_len": response_len}
+            mb = SequenceBatch(input_ids, attention_mask, response_len)
             ((logp, entropy),) = pipeline_logprobs(
                 self.module, [mb], temperature=temperature, vocab_size=vocab_size, logprobs_fn=self.response_logprobs
             )

@@ -1,7 +1,7 @@
 """The CPU-scale collapse study's pre-registered rules, applied to finished runs (``make collapse``).
 
-The design, the endpoints and the rules below were committed in results/README.md before any run; this
-module only evaluates them, so the verdicts are computed, never typed:
+The design, the endpoints and the rules below were committed (results/studies/2026-12-01-collapse.md) before any
+run; this module only evaluates them, so the verdicts are computed, never typed:
 
 - ``pilot``: the learning rate by the noise-to-signal criterion: per pilot lr, the mean over its steps of
   BF16's log-ratio spread (``clip/shadow_ref_log_ratio_std``) and of FP8's noise floor
@@ -12,7 +12,7 @@ module only evaluates them, so the verdicts are computed, never typed:
   at least 0.002 higher;
 - ``verdict``: the endpoints per run (E1 junk rate over the last 50 steps, E2 entropy surge, E3 BF16-evaluated
   accuracy averaged over the last 3 evaluations) and whether "the consequence appears" and "Calibrated
-  Clipping recovers" by the rules of results/README.md.
+  Clipping recovers" by the rules of results/studies/2026-12-01-collapse.md.
 
 Each writes a Markdown file into the results folder (``collapse_pilot.md``, ``collapse_control.md``,
 ``collapse_verdict.md``) with the MLflow run ids it read.
@@ -160,7 +160,7 @@ def _header(what: str, runs: Sequence[RunData], uri: str) -> str:
     return (
         f"{what}: {len(runs)} finished run(s) from MLflow `{store.display_uri(uri)}` at git {', '.join(shas)}; "
         f"generated {time.strftime('%Y-%m-%d %H:%M %Z')} by `python -m fp8rl.studies.collapse`; rules in "
-        "results/README.md (committed before the runs)."
+        "results/studies/2026-12-01-collapse.md (committed before the runs)."
     )
 
 
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.gate and not result.accumulates:
             print(
                 f"wrote {path}\nThe positive control did not accumulate junk: by the pre-registered rule the task "
-                "cannot show the consequence and the study stops here (results/README.md)."
+                "cannot show the consequence and the study stops here (results/studies/2026-12-01-collapse.md)."
             )
             return STOPPED
     else:
