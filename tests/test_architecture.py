@@ -110,3 +110,17 @@ def test_the_run_path_never_switches_on_a_registered_name() -> None:
         for path in (PACKAGE / folder).rglob("*.py"):
             switches = _compared_strings(path) & registered
             assert not switches, f"fp8rl/{path.relative_to(PACKAGE)} compares with registered names {switches}"
+
+
+def test_the_core_never_imports_a_study() -> None:
+    """Studies (fp8rl/studies) use the core through its public parts; nothing in the core imports them."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "studies":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            assert not any(n.startswith("fp8rl.studies") for n in names), f"fp8rl/{path.relative_to(PACKAGE)}"

@@ -168,6 +168,17 @@ class RunSpec:
     system_metrics: bool = True
 
 
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """Where a new experiment of a sqlite store keeps its artifacts: beside the store (`<store folder>/mlruns/<name>`),
+    not in ./mlruns of whichever working directory created it (MLflow's default for a database store). Servers
+    and other stores: None, their own default."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return None
+    folder = Path(uri.removeprefix(prefix)).resolve().parent
+    return (folder / "mlruns" / re.sub(r"[^A-Za-z0-9_.-]+", "_", experiment)).as_uri()
+
+
 def ensure_experiment(client: Any, name: str, create: bool = True) -> str | None:
     """The id of experiment `name`: restored if it was deleted, created if missing and `create` (else None). The
     jobs of a sweep start together: when another one created or restored it between our lookup and our write,
@@ -179,7 +190,7 @@ def ensure_experiment(client: Any, name: str, create: bool = True) -> str | None
         return None
     try:
         if found is None:
-            return client.create_experiment(name)
+            return client.create_experiment(name, artifact_location=artifact_location(client.tracking_uri, name))
         if found.lifecycle_stage == "deleted":
             client.restore_experiment(found.experiment_id)
         return found.experiment_id

@@ -114,9 +114,9 @@ class _LosesTheRace:
             return None  # the other job creates it just after this lookup
         return self.real.get_experiment_by_name(name)
 
-    def create_experiment(self, name: str) -> str:
-        self.real.create_experiment(name)  # the other job's create ...
-        return self.real.create_experiment(name)  # ... and ours: RESOURCE_ALREADY_EXISTS
+    def create_experiment(self, name: str, artifact_location: str | None = None) -> str:
+        self.real.create_experiment(name, artifact_location)  # the other job's create ...
+        return self.real.create_experiment(name, artifact_location)  # ... and ours: RESOURCE_ALREADY_EXISTS
 
     def set_experiment_tag(self, experiment_id: str, key: str, value: str) -> None:
         from mlflow.exceptions import MlflowException
@@ -222,3 +222,19 @@ def test_the_store_probe_sends_a_uris_credentials_as_basic_auth() -> None:
         assert "wrong-token" not in str(refused.value)
     finally:
         server.shutdown()
+
+
+def test_a_sqlite_stores_artifacts_stay_beside_it_whatever_the_working_directory(tmp_path: Path, monkeypatch) -> None:
+    from fp8rl.tracking.mlflow_tracker import ensure_experiment
+
+    store = tmp_path / "store" / "mlflow.db"
+    store.parent.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    client = MlflowClient(f"sqlite:///{store}")
+    experiment = client.get_experiment(ensure_experiment(client, "a sweep/x"))
+    assert experiment.artifact_location == (store.parent / "mlruns" / "a_sweep_x").as_uri()
+    run = client.create_run(experiment.experiment_id)
+    client.log_text(run.info.run_id, "hello", "note.txt")
+    assert any((store.parent / "mlruns" / "a_sweep_x").rglob("note.txt")) and not (elsewhere / "mlruns").exists()

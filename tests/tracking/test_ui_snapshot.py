@@ -45,7 +45,7 @@ def _tracked_run(uri: str, folder: Path, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_snapshot_of_a_small_store_writes_every_page(tmp_path: Path, sqlite_uri: str, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)  # the store's artifacts (./mlruns) land in the test's folder
+    monkeypatch.chdir(tmp_path)  # anything written to the working directory lands in the test's folder
     pytest.importorskip("playwright", reason="the `ui` extra (pip install -e '.[ui]') is not installed")
     if not any(shutil.which(name) for name in BROWSERS):
         pytest.skip("no Chromium: apt-get install chromium (make ui-snapshot does)")
