@@ -16,7 +16,6 @@ masked tokens) and ``train/tokens``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,14 +33,13 @@ class Objective:
     """Policy loss (options bound), rollout correction, KL penalty and entropy bonus (module docstring)."""
 
     policy_loss: PolicyLoss
-    correction: tuple[str, ...] = ("none",)  # registered corrections, applied in order
+    correction: str | tuple[str, ...] | None = "none"  # registered correction(s), in order (apply_rollout_correction)
     correction_params: CorrectionParams = CorrectionParams()
     kl_coef: float = 0.0  # > 0 needs TokenBatch.reference_logp
     kl_type: str = "low_var_kl"
     entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "correction", _names(self.correction))
         if self.kl_coef:
             get_kl_estimator(self.kl_type)  # an unknown estimator fails at build, listing the valid ones
 
@@ -90,9 +88,3 @@ class Objective:
         metrics["actor/entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         metrics["train/tokens"] = mask.sum()
         return loss, metrics
-
-
-def _names(correction: str | Sequence[str] | None) -> tuple[str, ...]:
-    if correction is None:
-        return ("tis_token",)  # the paper's setup
-    return (correction,) if isinstance(correction, str) else tuple(correction)

@@ -166,7 +166,7 @@ class PolicyLoss:
         correction = tokens.correction
         if correction is not None and correction.weights is not None:
             per_token_loss = per_token_loss * correction.weights  # TIS: stop-gradient weight on the token loss
-        loss_mask = mask if correction is None else as_bool_mask(correction.response_mask)
+        loss_mask = tokens.loss_mask
         loss = aggregate_loss(
             per_token_loss, loss_mask, self.agg, norm_constant=self.norm_constant, denominator=denominator
         )

@@ -5,14 +5,13 @@ torch threads, MLflow's HTTP patience, the loggers (one line per step to stdout 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from fp8rl.config import TrainerConfig
-from fp8rl.tracking.mlflow_tracker import MLFLOW_HTTP_DEFAULTS
+from fp8rl.tracking.mlflow_tracker import bound_mlflow_http
 
 QUIET_LOGGERS = ("megatron", "megatron.core", "torch.distributed", "alembic", "urllib3", "mlflow.system_metrics")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -22,8 +21,7 @@ def apply_process_settings(cfg: TrainerConfig) -> None:
     """Threads and MLflow's HTTP patience (a user's own environment values win)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    for key, value in MLFLOW_HTTP_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    bound_mlflow_http()
 
 
 def setup_logging(out_dir: str | Path, rank: int = 0) -> None:

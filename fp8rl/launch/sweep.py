@@ -31,7 +31,7 @@ from fp8rl.identity import config_hash
 from fp8rl.launch.experiment import SweepDefinition, SweepPoint, axis_tag, expand_experiment, expand_points
 from fp8rl.launch.launchers import Launcher, check_fits, make_executor, resolve_launcher
 from fp8rl.tracking import store
-from fp8rl.tracking.mlflow_tracker import MLFLOW_HTTP_DEFAULTS, probe_store, redact
+from fp8rl.tracking.mlflow_tracker import bound_mlflow_http, probe_store, redact
 
 DEFAULT_ROOT = Path("outputs/sweeps")
 SLURM_POLL_S = 2.0  # seconds between squeue/sacct looks while waiting for a sweep's Slurm jobs
@@ -213,8 +213,7 @@ def mark_existing(report: SweepReport, create: bool, definition: SweepDefinition
     """Find the sweep's MLflow experiment and parent run; mark finished / resumable points."""
     if not create and not store.store_exists(report.tracking_uri):
         return  # a dry run creates nothing, not even an empty sqlite store
-    for key, value in MLFLOW_HTTP_DEFAULTS.items():  # MLflow's own retries would hang minutes on a dead server
-        os.environ.setdefault(key, value)
+    bound_mlflow_http()  # MLflow's own retries would hang minutes on a dead server
     probe_store(report.tracking_uri, _first_cfg(definition).tracking.connect_timeout_s)
     mlflow_client = store.client(report.tracking_uri)
     report.experiment_id = store.experiment_id(mlflow_client, report.name, create=create)

@@ -56,6 +56,12 @@ _REQUEST_ERRORS = ("INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
 
+def bound_mlflow_http() -> None:
+    """Cap MLflow's HTTP retries and timeout for this process (a user's own environment values win)."""
+    for key, value in MLFLOW_HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
 class TrackingUnavailable(RuntimeError):
     """The tracking store did not answer; the message says what to do."""
 
