@@ -294,6 +294,12 @@ class ParallelConfig:
     )
     rollout_tensor_parallel: int | None = option(None, "vLLM's TP size", neutral=(None,))
     rollout_gpus: int | None = option(None, "separate placement: GPUs per job reserved for vLLM", neutral=(None,))
+    rollout_memory_fraction: float | None = option(
+        None, "colocated vLLM's share of each GPU (its gpu_memory_utilization)", neutral=(None,)
+    )
+    rollout_sleep: bool | None = option(
+        None, "colocated vLLM sleeps (frees its share) while the trainer computes", neutral=(None,)
+    )
     distributed_optimizer: bool | None = option(None, "shard the optimizer state over DP (Megatron)", neutral=(None,))
     activation_recompute: bool | None = option(None, "full activation recompute (Megatron)", neutral=(None,))
     gpu_memory_gb: float | None = option(None, "per GPU, for the memory check (H100 80, H200 141)", neutral=(None,))

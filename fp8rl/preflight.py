@@ -46,6 +46,11 @@ def run_layout(cfg: RunConfig, world_size: int) -> ParallelLayout:
     model_cfg = model_config_of(cfg)
     layout = layout_for(cfg, world_size, model_cfg)
     tp_pp = layout.tensor_parallel * layout.pipeline_parallel
+    if layout.rollout_placement == "separate":
+        raise PreflightError(
+            "parallel.rollout_placement=separate is planned but not run by the job yet (its vLLM engine runs on the "
+            "trainer's own ranks): use parallel.rollout_placement=colocated"
+        )
     if world_size % tp_pp:
         raise PreflightError(
             f"{world_size} rank(s) cannot hold TP x PP = {layout.tensor_parallel} x {layout.pipeline_parallel}: "

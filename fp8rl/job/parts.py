@@ -26,14 +26,14 @@ import torch
 from fp8rl import algos
 from fp8rl.config import AlgoConfig, ClippingConfig, PrecisionConfig, RunConfig, TaskConfig, to_dict
 from fp8rl.models.config import ModelConfig, get_model_config, with_tokenizer_vocab
+from fp8rl.models.dims import ParallelDims
 from fp8rl.models.fp8_layers import set_fp8_amax_reduction
 from fp8rl.models.outliers import inject_activation_outliers
 from fp8rl.models.parallel import ParallelLayout
-from fp8rl.models.policy import Layout, Policy
+from fp8rl.models.policy import Policy
 from fp8rl.models.policy import build_policy as build_policy_module
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.tasks import Task, build_task
-from fp8rl.trainer.distributed import DataParallel
 from fp8rl.trainer.loop import Parts
 from fp8rl.trainer.optim import TorchPolicyOptimizer, megatron_policy_optimizer
 from fp8rl.trainer.precision import PrecisionPlan, plan_precision
@@ -83,14 +83,9 @@ def rank_zero_first(make: Callable[[], T]) -> T:
     return result if dist.get_rank() == 0 else make()
 
 
-def warmstart_here_or_apart(cfg: RunConfig, model_cfg: ModelConfig, task: Task):
+def warmstart_here_or_apart(cfg: RunConfig, model_cfg: ModelConfig, task: Task, dims: ParallelDims):
     """The warm start: trained in this process, or (model split over ranks) in a process of its own."""
-    from megatron.core import parallel_state
-
-    split = (
-        parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
-    )
-    if split > 1 and cached_warmstart(model_cfg, task, cfg.task, cfg.warmstart) is None:
+    if dims.model_split and cached_warmstart(model_cfg, task, cfg.task, cfg.warmstart) is None:
         warmstart_in_own_process(to_dict(cfg))
     return warmstart(model_cfg, task, cfg.task, cfg.warmstart)
 
@@ -104,7 +99,7 @@ def task_for_layout(cfg: RunConfig, layout: ParallelLayout) -> TaskConfig:
     return task
 
 
-def start_weights(cfg: RunConfig, task: Task, hf_folder: str | None) -> StartWeights:
+def start_weights(cfg: RunConfig, task: Task, hf_folder: str | None, dims: ParallelDims) -> StartWeights:
     """The start weights of the policy (module docstring)."""
     if hf_folder is not None:
         from fp8rl.models.hf import hf_to_megatron, model_config_from_hf_folder, read_hf_tensors
@@ -115,14 +110,14 @@ def start_weights(cfg: RunConfig, task: Task, hf_folder: str | None) -> StartWei
     model_cfg = with_tokenizer_vocab(get_model_config(cfg.model.preset), task.tokenizer.vocab_size)
     if cfg.warmstart.steps == 0 or not hasattr(task, "target_ids"):
         return StartWeights(model_cfg, None, f"random initialisation (seed {cfg.warmstart.seed})")
-    result = rank_zero_first(lambda: warmstart_here_or_apart(cfg, model_cfg, task))
+    result = rank_zero_first(lambda: warmstart_here_or_apart(cfg, model_cfg, task, dims))
     accuracy = result.metadata.get("eval/accuracy", float("nan"))
     steps = result.metadata.get("steps_done", cfg.warmstart.steps)  # fewer when stopped at an accuracy
     source = f"{steps}-step supervised warm start ({accuracy:.1%} greedy held-out accuracy)"
     return StartWeights(model_cfg, safetensors.torch.load_file(str(result.weights_path)), source)
 
 
-def build_policy(cfg: RunConfig, weights: StartWeights, layout: ParallelLayout, world_size: int, device):
+def build_policy(cfg: RunConfig, weights: StartWeights, dims: ParallelDims, device):
     """(policy, optimizer): this rank's model with the start weights and its optimizer:
 
     - one process, emulated FP8: the local layer spec and torch AdamW;
@@ -131,20 +126,20 @@ def build_policy(cfg: RunConfig, weights: StartWeights, layout: ParallelLayout, 
     - Transformer Engine (GPU): the TE layer spec, BF16 parameters with FP32 master weights.
     """
     if cfg.precision.backend == "te":
-        return _te_policy(cfg, weights, layout)
-    policy = policy_with_weights(weights, cfg, device)
-    if world_size == 1:
+        return _te_policy(cfg, weights, dims)
+    policy = policy_with_weights(weights, cfg, device, dims)
+    if dims.plan.world_size == 1:
         return policy, TorchPolicyOptimizer(policy.module, cfg.algo.lr, cfg.algo.weight_decay)
     ddp_model, optimizer = megatron_policy_optimizer(
-        policy.module, cfg.algo.lr, cfg.algo.weight_decay, distributed=layout.distributed_optimizer, bf16=False
+        policy.module, cfg.algo.lr, cfg.algo.weight_decay, distributed=dims.plan.distributed_optimizer, bf16=False
     )
-    return Policy(ddp_model, policy.cfg, policy.layout), optimizer
+    return Policy(ddp_model, policy.cfg, dims), optimizer
 
 
-def policy_with_weights(weights: StartWeights, cfg: RunConfig, device: torch.device) -> Policy:
+def policy_with_weights(weights: StartWeights, cfg: RunConfig, device: torch.device, dims: ParallelDims) -> Policy:
     """This rank's part of the local-spec model with the start weights (and the outlier ablation, if asked)."""
-    policy = build_policy_module(weights.model_cfg, weights.tensors, cfg.warmstart.seed, device)
-    if policy.layout.tp > 1:
+    policy = build_policy_module(weights.model_cfg, weights.tensors, cfg.warmstart.seed, device, dims)
+    if dims.tp > 1:
         set_fp8_amax_reduction(policy.module, amax_reduction_policy(cfg.precision))
     if cfg.model.outlier_channels:
         inject_activation_outliers(
@@ -163,30 +158,31 @@ def amax_reduction_policy(precision: PrecisionConfig) -> str:
     return "all" if precision.scaling == "delayed" else "te_current"
 
 
-def _te_policy(cfg: RunConfig, weights: StartWeights, layout: ParallelLayout):
+def _te_policy(cfg: RunConfig, weights: StartWeights, dims: ParallelDims):
     from fp8rl.models import te_backend
 
-    te_model = te_backend.build_te_gpt_model(weights.model_cfg, layout, plan_precision(cfg.precision).train_recipe)
-    local = policy_with_weights(dataclasses.replace(weights), cfg, torch.device("cpu"))
+    te_model = te_backend.build_te_gpt_model(weights.model_cfg, dims.plan, plan_precision(cfg.precision).train_recipe)
+    local = policy_with_weights(dataclasses.replace(weights), cfg, torch.device("cpu"), dims)
     te_backend.load_local_weights(te_model, local.module.state_dict())
     ddp_model, optimizer = megatron_policy_optimizer(
-        te_model, cfg.algo.lr, cfg.algo.weight_decay, distributed=layout.distributed_optimizer, bf16=True
+        te_model, cfg.algo.lr, cfg.algo.weight_decay, distributed=dims.plan.distributed_optimizer, bf16=True
     )
-    return Policy(ddp_model, weights.model_cfg, Layout.current()), optimizer
+    return Policy(ddp_model, weights.model_cfg, dims), optimizer
 
 
-def build_reference(cfg: RunConfig, weights: StartWeights, device: torch.device) -> Policy | None:
+def build_reference(cfg: RunConfig, weights: StartWeights, device: torch.device, dims: ParallelDims) -> Policy | None:
     """The frozen start policy for the KL penalty (a second model loaded from the same weights)."""
     if cfg.algo.kl_coef <= 0:
         return None
-    reference = policy_with_weights(weights, cfg, device)
+    reference = policy_with_weights(weights, cfg, device, dims)
     reference.module.requires_grad_(False)
     reference.module.eval()
     return reference
 
 
 def build_engine(cfg: RunConfig, policy: Policy, model_cfg: ModelConfig, task: Task, plan: PrecisionPlan):
-    """The rollout engine: the built-in one over the policy itself, or vLLM fed with its weights."""
+    """The rollout engine: the built-in one over the policy itself, or vLLM fed with its weights, placed where the
+    layout says (its TP, longest sequence, memory share and sleep mode: `ParallelDims.rollout_engine_settings`)."""
     if cfg.rollout.engine == "builtin":
         from fp8rl.rollout.builtin import BuiltinEngine
 
@@ -205,6 +201,7 @@ def build_engine(cfg: RunConfig, policy: Policy, model_cfg: ModelConfig, task: T
         tokenizer=task.tokenizer if hasattr(task.tokenizer, "save") else checkpoint_folder(cfg.model.hf_path),
         max_num_seqs=cfg.algo.batch_size,
         seed=cfg.trainer.seed,
+        **policy.dims.rollout_engine_settings(cfg.model.device),
     )
 
 
@@ -242,16 +239,26 @@ def sampling_config(cfg: RunConfig, task: Task) -> SamplingConfig:
     )
 
 
-def build_parts(cfg: RunConfig, layout: ParallelLayout, dp: DataParallel, device: torch.device) -> tuple[Parts, str]:
-    """Every part of the run, and a one-line description of where the policy starts from."""
+def micro_batch_size(cfg: RunConfig, layout: ParallelLayout) -> int | None:
+    """Rows per forward/backward pass: the layout's micro-batch under pipeline parallelism, on a GPU (a rank's whole
+    batch of logits does not fit: qwen3_8b's ~1M tokens x 152K vocabulary) or when set; else (CPU, PP = 1) the
+    whole mini-batch in one pass, as the golden record was made."""
+    asked = layout.pipeline_parallel > 1 or cfg.model.device == "cuda" or cfg.parallel.micro_batch_size is not None
+    return layout.micro_batch_size if asked else None
+
+
+def build_parts(cfg: RunConfig, dims: ParallelDims, device: torch.device) -> tuple[Parts, str]:
+    """Every part of the run, and a one-line description of where the policy starts from. `dims`: where this rank
+    is and what it runs, read by every builder."""
+    layout = dims.plan
     hf_folder = None if cfg.model.hf_path is None else checkpoint_folder(cfg.model.hf_path)
     task = build_task(task_for_layout(cfg, layout), hf_folder)
     if hasattr(task, "fit_prompts"):  # math: prompts of any length (the arithmetic tasks' are short by construction)
         dropped = task.fit_prompts(layout.max_seq_len)
         if any(dropped.values()):
             log.warning("dropped prompts too long for the sequence (task.overlong_prompts=filter): %s", dropped)
-    weights = start_weights(cfg, task, hf_folder)
-    policy, optimizer = build_policy(cfg, weights, layout, layout.world_size, device)
+    weights = start_weights(cfg, task, hf_folder, dims)
+    policy, optimizer = build_policy(cfg, weights, dims, device)
     plan = plan_precision(cfg.precision)
     parts = Parts(
         policy=policy,
@@ -262,9 +269,9 @@ def build_parts(cfg: RunConfig, layout: ParallelLayout, dp: DataParallel, device
         objective=build_objective(cfg.algo, cfg.clipping),
         plan=plan,
         sampling=sampling_config(cfg, task),
-        reference=build_reference(cfg, weights, device),
-        dp=dp,
+        reference=build_reference(cfg, weights, device, dims),
+        dims=dims,
         device=device,
-        micro_batch_size=layout.micro_batch_size if layout.pipeline_parallel > 1 else None,
+        micro_batch_size=micro_batch_size(cfg, layout),
     )
     return parts, weights.source

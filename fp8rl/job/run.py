@@ -30,6 +30,7 @@ from fp8rl.job.distributed import DistEnv, dist_env_from_environ, init_distribut
 from fp8rl.job.lock import RunFolderInUse, run_folder_lock
 from fp8rl.job.parts import build_parts
 from fp8rl.job.process import apply_process_settings, close_log_file, setup_logging
+from fp8rl.models.dims import ParallelDims
 from fp8rl.preflight import check_environment, run_layout
 from fp8rl.tracking import (
     MlflowTracker,
@@ -43,7 +44,6 @@ from fp8rl.tracking import (
 )
 from fp8rl.tracking.datasets import task_datasets
 from fp8rl.trainer import checkpoint as ckpt
-from fp8rl.trainer.distributed import DataParallel
 from fp8rl.trainer.fit import RunSummary, fit
 from fp8rl.trainer.loop import RLTrainer
 
@@ -93,7 +93,7 @@ def _run_in_folder(cfg, env: DistEnv, out_dir: str, layout, tracker, stop_after,
     from fp8rl.models.runtime import init_megatron
 
     init_megatron(layout.tensor_parallel, layout.pipeline_parallel, seed=cfg.warmstart.seed)
-    dp = data_parallel()
+    dims = ParallelDims.current(layout)
     state = run_dir_state(cfg, out_dir, env.rank, env.world_size)
     name = cfg.tracking.run_name or default_run_name(cfg)
     if tracker is None:
@@ -109,7 +109,7 @@ def _run_in_folder(cfg, env: DistEnv, out_dir: str, layout, tracker, stop_after,
     try:
         with signals.terminate_as_exception():
             device = _device(cfg)
-            parts, source = build_parts(cfg, layout, dp, device)
+            parts, source = build_parts(cfg, dims, device)
             log.info("%s: %s; policy from %s; layout %s", name, out_dir, source, layout.describe())
             if state is None:  # once per run, at its start
                 tracker.log_datasets(lambda: task_datasets(cfg.task, parts.task.train_problems, parts.task.eval_sets))
@@ -147,19 +147,8 @@ def build_trainer(cfg: RunConfig) -> RLTrainer:
     layout = run_layout(cfg, world_size)
     check_environment(cfg)
     init_megatron(layout.tensor_parallel, layout.pipeline_parallel, seed=cfg.warmstart.seed)
-    parts, _ = build_parts(cfg, layout, data_parallel(), _device(cfg))
+    parts, _ = build_parts(cfg, ParallelDims.current(layout), _device(cfg))
     return RLTrainer(parts, cfg)
-
-
-def data_parallel() -> DataParallel:
-    """This rank's data-parallel context from megatron's groups."""
-    from megatron.core import parallel_state
-
-    return DataParallel(
-        rank=parallel_state.get_data_parallel_rank(),
-        size=parallel_state.get_data_parallel_world_size(),
-        group=parallel_state.get_data_parallel_group(),
-    )
 
 
 def _device(cfg: RunConfig) -> torch.device:

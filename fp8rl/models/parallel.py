@@ -167,6 +167,16 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, memory: bool = True
             )
     elif layout.rollout_gpus:
         raise ParallelLayoutError("parallel.rollout_gpus is for rollout_placement=separate; set it to 0 or switch")
+    elif layout.world_size % layout.rollout_tensor_parallel:
+        raise ParallelLayoutError(
+            f"parallel.rollout_tensor_parallel={layout.rollout_tensor_parallel} does not divide the "
+            f"{layout.world_size} GPUs the colocated vLLM engines share: choose a divisor"
+        )
+    if not 0 < layout.rollout_memory_fraction < 1:
+        raise ParallelLayoutError(
+            f"parallel.rollout_memory_fraction={layout.rollout_memory_fraction} must be in (0, 1): it is vLLM's share "
+            "of each GPU"
+        )
     if layout.trainer_gpus % (tp * pp) or layout.data_parallel < 1:
         raise ParallelLayoutError(
             f"{layout.trainer_gpus} trainer GPUs are not a multiple of TP x PP = {tp * pp}; change "

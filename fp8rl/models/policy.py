@@ -1,8 +1,9 @@
 """The policy on this rank, whatever the parallel layout: build it, score responses, run a loss's forward and
 backward, sample from it.
 
-megatron's process state (`fp8rl.models.runtime.init_megatron`) fixes the layout: TP x PP x DP ranks. This rank
-holds a tensor-parallel shard of a pipeline stage of the model; `Policy` hides which:
+megatron's process state (`fp8rl.models.runtime.init_megatron`) fixes the layout: TP x PP x DP ranks
+(`fp8rl.models.dims.ParallelDims`). This rank holds a tensor-parallel shard of a pipeline stage of the model;
+`Policy` hides which:
 
 - `build_policy`: this rank's model with the full (TP = PP = 1) start weights, split as megatron splits them
   (column-parallel linears by output rows, the fused QKV by whole query groups, the SwiGLU fc1 by [gate; up]
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from fp8rl.models.config import ModelConfig
+from fp8rl.models.dims import ParallelDims
 from fp8rl.models.generate import GenerationOutput, generate
 from fp8rl.models.gpt import build_gpt_model
 from fp8rl.models.logprobs import (
@@ -46,29 +47,6 @@ from fp8rl.models.vocab_parallel import vocab_parallel_logprobs_and_entropy
 LossFn = Callable[[Tensor, Tensor], tuple[Tensor, dict[str, float]]]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """This rank's place in megatron's groups."""
-
-    tp: int
-    pp: int
-    dp: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-
-    @classmethod
-    def current(cls) -> Layout:
-        return cls(
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_data_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_data_parallel_rank(),
-        )
-
-
 def shard_for_tensor_parallel(full: Tensor, param: Tensor, tp_rank: int, tp_size: int) -> Tensor:
     """This rank's shard of a full (TP = 1) tensor for a megatron parameter, as megatron's CPU initialisation
     splits it: `tp_size` x stride chunks along the parameter's ``partition_dim``, taking chunks rank, rank + tp,
@@ -80,26 +58,27 @@ def shard_for_tensor_parallel(full: Tensor, param: Tensor, tp_rank: int, tp_size
     return torch.cat(torch.split(full, chunk, dim=dim)[tp_rank::tp_size], dim=dim)
 
 
-def build_policy(cfg: ModelConfig, full_state: dict[str, Tensor] | None, seed: int, device: torch.device) -> Policy:
+def build_policy(
+    cfg: ModelConfig, full_state: dict[str, Tensor] | None, seed: int, device: torch.device, dims: ParallelDims
+) -> Policy:
     """This rank's policy with the full start weights (None: the seed's initialisation of the whole model)."""
-    layout = Layout.current()
-    if layout.pp > 1:
+    if dims.pp > 1:
         from fp8rl.models.pipeline import build_gpt_stage
 
         module = build_gpt_stage(cfg, seed, full_state_dict=full_state)
     else:
         module = build_gpt_model(cfg, seed=seed)
         if full_state is not None:
-            load_full_state(module, full_state, layout)
-    return Policy(module.to(device), cfg, layout)
+            load_full_state(module, full_state, dims)
+    return Policy(module.to(device), cfg, dims)
 
 
-def load_full_state(module: torch.nn.Module, full_state: dict[str, Tensor], layout: Layout) -> None:
+def load_full_state(module: torch.nn.Module, full_state: dict[str, Tensor], dims: ParallelDims) -> None:
     """Load a full (TP = 1) state dict into this rank's TP shard; only megatron's ``_extra_state`` may be
     missing and nothing may be left over."""
     params = dict(module.named_parameters())
     shards = {
-        key: shard_for_tensor_parallel(value, params[key], layout.tp_rank, layout.tp) if key in params else value
+        key: shard_for_tensor_parallel(value, params[key], dims.tp_rank, dims.tp) if key in params else value
         for key, value in full_state.items()
     }
     missing, unexpected = module.load_state_dict(shards, strict=False)
@@ -111,8 +90,8 @@ def load_full_state(module: torch.nn.Module, full_state: dict[str, Tensor], layo
 class Policy:
     """This rank's part of the policy model (module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, cfg: ModelConfig, layout: Layout) -> None:
-        self.module, self.cfg, self.layout = module, cfg, layout
+    def __init__(self, module: torch.nn.Module, cfg: ModelConfig, dims: ParallelDims) -> None:
+        self.module, self.cfg, self.dims = module, cfg, dims
 
     # ------------------------------------------------------------------------------------------ scoring
     def response_logprobs(
@@ -120,10 +99,10 @@ class Policy:
     ) -> tuple[Tensor, Tensor]:
         """(logp, entropy) of the last `response_len` tokens from the full-sequence logits (b, s, V / TP)."""
         shifted, tokens = logits[:, -response_len - 1 : -1, :], input_ids[:, -response_len:]
-        if self.layout.tp == 1:
+        if self.dims.tp == 1:
             return logprobs_and_entropy_from_logits(shifted[..., :vocab_size], tokens, temperature)
         width = shifted.shape[-1]
-        start = self.layout.tp_rank * width
+        start = self.dims.tp_rank * width
         group = parallel_state.get_tensor_model_parallel_group()
         end = start + width
         return vocab_parallel_logprobs_and_entropy(shifted, tokens, temperature, start, end, group, vocab_size)
@@ -136,19 +115,32 @@ class Policy:
         temperature: float,
         vocab_size: int | None,
         grad: bool = False,
+        micro_batch_size: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Per-token (log-prob, entropy) of the last `response_len` tokens of each row, (b, response_len) fp32, on
-        every rank. `grad` keeps the graph (PP: forward-only, always detached)."""
+        every rank. `grad` keeps the graph (PP: forward-only, always detached). `micro_batch_size`: forward that
+        many rows at a time (a GPU rank's batch holds far more logits than fit at once); None: all at once."""
         if not 0 < response_len < input_ids.size(1):
             raise ValueError(f"response_len={response_len} must be in (0, {input_ids.size(1)})")
-        if self.layout.pp > 1:
+        size = micro_batch_size or input_ids.size(0)
+        chunks = [
+            SequenceBatch(input_ids[start : start + size], attention_mask[start : start + size], response_len)
+            for start in range(0, input_ids.size(0), size)
+        ]
+        if self.dims.pp > 1:
             from fp8rl.models.pipeline import pipeline_logprobs
 
-            mb = SequenceBatch(input_ids, attention_mask, response_len)
-            ((logp, entropy),) = pipeline_logprobs(
-                self.module, [mb], temperature=temperature, vocab_size=vocab_size, logprobs_fn=self.response_logprobs
+            scored = pipeline_logprobs(
+                self.module, chunks, temperature=temperature, vocab_size=vocab_size, logprobs_fn=self.response_logprobs
             )
-            return logp, entropy
+        else:
+            scored = [self._logprobs(c, temperature, vocab_size, grad) for c in chunks]
+        if len(scored) == 1:
+            return scored[0]
+        return torch.cat([logp for logp, _ in scored]), torch.cat([entropy for _, entropy in scored])
+
+    def _logprobs(self, batch: SequenceBatch, temperature: float, vocab_size: int | None, grad: bool):
+        input_ids, attention_mask, response_len = batch.input_ids, batch.attention_mask, batch.response_len
         context = contextlib.nullcontext() if grad else torch.no_grad()
         with context:
             logits = self.module(input_ids, position_ids_from_mask(attention_mask), causal_padding_mask(attention_mask))
@@ -167,7 +159,7 @@ class Policy:
         rank, each micro-batch's metrics and its detached log-probs (b, response_len).
 
         Micro-batches: :class:`~fp8rl.models.logprobs.Sequences` carrying what `loss_fn` reads."""
-        if self.layout.pp > 1:
+        if self.dims.pp > 1:
             from fp8rl.models.pipeline import pipeline_forward_backward
 
             return pipeline_forward_backward(
@@ -195,7 +187,7 @@ class Policy:
         seeds: Sequence[int] | None,
     ) -> GenerationOutput:
         """Sample after each left-padded prompt; the same result on every rank of the model-parallel group."""
-        if self.layout.pp > 1:
+        if self.dims.pp > 1:
             from fp8rl.models.pipeline import pipeline_generate
 
             return pipeline_generate(self.module, prompt_ids, prompt_mask, sampling, seeds)
@@ -207,14 +199,14 @@ class Policy:
         rollout engine, Hugging Face export)."""
         model = unwrapped(self.module)
         state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
-        if self.layout.tp == 1 and self.layout.pp == 1:
+        if self.dims.tp == 1 and self.dims.pp == 1:
             return state
         params = dict(model.named_parameters())
         gathered = {}
         for key, value in state.items():
             param = params.get(key)
-            gathered[key] = _gather_tensor_parallel(value, param, self.layout) if param is not None else value
-        if self.layout.pp > 1:
+            gathered[key] = _gather_tensor_parallel(value, param, self.dims) if param is not None else value
+        if self.dims.pp > 1:
             from fp8rl.models.pipeline import gather_stages
 
             gathered = gather_stages(self.module, gathered)
@@ -228,12 +220,12 @@ def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _gather_tensor_parallel(shard: Tensor, param: Tensor, layout: Layout) -> Tensor:
+def _gather_tensor_parallel(shard: Tensor, param: Tensor, dims: ParallelDims) -> Tensor:
     """Inverse of `shard_for_tensor_parallel` over the TP group."""
-    if layout.tp == 1 or not getattr(param, "tensor_model_parallel", False):
+    if dims.tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return shard
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    pieces = [torch.empty_like(shard) for _ in range(layout.tp)]
+    pieces = [torch.empty_like(shard) for _ in range(dims.tp)]
     dist.all_gather(pieces, shard.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
     chunks = [piece.chunk(stride, dim=dim) for piece in pieces]  # rank r holds chunks r, r + tp, ...
-    return torch.cat([chunks[rank][s] for s in range(stride) for rank in range(layout.tp)], dim=dim)
+    return torch.cat([chunks[rank][s] for s in range(stride) for rank in range(dims.tp)], dim=dim)

@@ -87,5 +87,10 @@ class RolloutEngine(Protocol):
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> float:
-        """Make the engine sample from `model`'s current weights; returns the seconds it took."""
+        """Make the engine sample from `model`'s current weights (waking it if it sleeps); returns the seconds."""
+        ...
+
+    def sleep(self) -> float:
+        """Free what the engine holds on the accelerator while the trainer computes (a colocated vLLM's weights
+        and KV cache); the next `sync_weights` or `generate` wakes it. Returns the seconds (0: nothing to free)."""
         ...

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 import torch
 
 from fp8rl.models.autocast import fp8_recipe_block
+from fp8rl.models.dims import ParallelDims
 from fp8rl.models.gpt import compute_precision
 from fp8rl.models.kv_cache import fp8_kv_cache
 from fp8rl.models.logprobs import left_pad
-from fp8rl.models.policy import Layout, Policy
+from fp8rl.models.policy import Policy
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutBatch
 
@@ -29,7 +30,7 @@ class BuiltinEngine:
     def __init__(
         self, policy: Policy | torch.nn.Module, recipe, pad_id: int, compute: str = "bf16", fp8_kv_cache: bool = False
     ) -> None:
-        self.policy = policy if isinstance(policy, Policy) else Policy(policy, None, Layout.current())
+        self.policy = policy if isinstance(policy, Policy) else Policy(policy, None, ParallelDims.current())
         self.model = self.policy.module
         self.recipe = recipe
         self.pad_id = pad_id
@@ -54,6 +55,10 @@ class BuiltinEngine:
             rollout_logp=out.logprobs,
             rollout_entropy=out.entropy,
         )
+
+    def sleep(self) -> float:
+        """Nothing to free: the engine is the trained policy itself."""
+        return 0.0
 
     def sync_weights(self, policy: Policy | torch.nn.Module) -> float:
         """Nothing to copy: the engine samples from the trainer's own weights (refuses another model)."""

@@ -280,7 +280,7 @@ def whole_model_state(model: torch.nn.Module | Policy) -> torch.nn.Module | dict
     it is would be split again with the full head counts, and vLLM's start would fail."""
     if not isinstance(model, Policy):
         return model
-    if model.layout.tp == 1 and model.layout.pp == 1:
+    if not model.dims.model_split:
         return model.module
     state = {k.removeprefix("module."): v for k, v in model.full_state_dict().items()}
     return local_names(model.module, state)

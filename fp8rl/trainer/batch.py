@@ -14,10 +14,10 @@ import torch
 
 from fp8rl import algos
 from fp8rl.config import AlgoConfig
+from fp8rl.models.dims import SINGLE, ParallelDims
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutBatch, RolloutEngine
 from fp8rl.tasks.base import Problem, Task, batch_rewards, garble_metrics, response_metrics
-from fp8rl.trainer.distributed import SINGLE, DataParallel
 
 STEP_SEED_STRIDE = 1_000_003
 PROMPT_SALT, SAMPLE_SALT, SHUFFLE_SALT = 1, 2, 3
@@ -94,13 +94,14 @@ class StepSampler:
         sampling: SamplingConfig,
         algo: AlgoConfig,
         seed: int,
-        dp: DataParallel = SINGLE,
+        dims: ParallelDims = SINGLE,
     ) -> None:
-        if algo.prompts_per_step % dp.size:
+        if algo.prompts_per_step % dims.dp:
             raise ValueError(
-                f"algo.prompts_per_step={algo.prompts_per_step} does not split over {dp.size} data-parallel ranks"
+                f"algo.prompts_per_step={algo.prompts_per_step} does not split over {dims.dp} data-parallel ranks"
             )
-        self.task, self.engine, self.sampling, self.algo, self.seed, self.dp = task, engine, sampling, algo, seed, dp
+        self.task, self.engine, self.sampling, self.algo = task, engine, sampling, algo
+        self.seed, self.dims = seed, dims
 
     def problems(self, step: int, round_: int = 0) -> list[Problem]:
         """All prompts of the step's round (the same on every rank): a (seed, step, round)-determined draw."""
@@ -111,9 +112,9 @@ class StepSampler:
     def rollout(self, step: int, round_: int = 0) -> tuple[list[Problem], RolloutBatch]:
         """This rank's groups of the round: G samples of each of its prompts, with rollout log-probs."""
         group = self.algo.group_size
-        mine = self.problems(step, round_)[self.dp.share(self.algo.prompts_per_step)]
+        mine = self.problems(step, round_)[self.dims.share(self.algo.prompts_per_step)]
         repeated = [p for p in mine for _ in range(group)]
-        first_row = self.dp.share(self.algo.prompts_per_step).start * group
+        first_row = self.dims.share(self.algo.prompts_per_step).start * group
         seeds = row_seeds(self.seed, step, round_, range(first_row, first_row + len(repeated)))
         prompts = [self.task.prompt_ids(p) for p in repeated]
         return repeated, self.engine.generate(prompts, self.sampling, seeds)
@@ -169,14 +170,14 @@ class StepSampler:
 
     def _global_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Means over ranks (equal shares), but the dropped-group count is a sum."""
-        out = self.dp.mean_of_floats(metrics)
+        out = self.dims.mean_of_floats(metrics)
         if "rollout/dropped_groups" in out:
-            out["rollout/dropped_groups"] *= self.dp.size
+            out["rollout/dropped_groups"] *= self.dims.dp
         return out
 
     def _group_flags(self, part: StepBatch) -> torch.Tensor:
         """Kept flag of each group of a round, over all ranks in global order."""
-        return self.dp.gather_1d(part.keep.view(-1, self.algo.group_size)[:, 0])
+        return self.dims.gather_1d(part.keep.view(-1, self.algo.group_size)[:, 0])
 
     def _kept_groups(self, rounds: list[StepBatch]) -> int:
         return sum(int(self._group_flags(part).sum()) for part in rounds)
@@ -186,8 +187,8 @@ class StepSampler:
         flags = [self._group_flags(part) for part in rounds]
         kept = [(r, g) for r, f in enumerate(flags) for g in range(len(f)) if f[g]]
         dropped_first = [(0, g) for g in range(len(flags[0])) if not flags[0][g]]
-        chosen = (kept + dropped_first)[:wanted][self.dp.share(wanted)]
-        every_row = [gather_step_batch(part, self.dp, self.sampling.pad_token_id) for part in rounds]
+        chosen = (kept + dropped_first)[:wanted][self.dims.share(wanted)]
+        every_row = [gather_step_batch(part, self.dims, self.sampling.pad_token_id) for part in rounds]
         rows = [torch.arange(g * group, (g + 1) * group) for _, g in chosen]
         pad_id = self.sampling.pad_token_id
         parts = [every_row[r].rollout.select(idx) for (r, _), idx in zip(chosen, rows, strict=True)]
@@ -197,20 +198,20 @@ class StepSampler:
         return StepBatch(rollout, adv, keep)
 
 
-def gather_step_batch(part: StepBatch, dp: DataParallel, pad_id: int) -> StepBatch:
+def gather_step_batch(part: StepBatch, dims: ParallelDims, pad_id: int) -> StepBatch:
     """Every rank's rows of a round, in global order (identity with one rank)."""
-    if dp.size == 1:
+    if dims.dp == 1:
         return part
     import torch.distributed as dist
 
     widths = torch.tensor([part.rollout.prompt_ids.shape[1], part.rollout.response_ids.shape[1]])
-    widest = dp.max(widths)
+    widest = dims.max(widths)
     padded = RolloutBatch.concat([part.rollout], pad_id, prompt_len=int(widest[0]), response_len=int(widest[1]))
     tensors = [*(getattr(padded, name) for name in RolloutBatch.FIELDS), part.adv, part.keep.long()]
     gathered = []
     for tensor in tensors:
-        out = [torch.empty_like(tensor) for _ in range(dp.size)]
-        dist.all_gather(out, tensor.contiguous(), group=dp.group)
+        out = [torch.empty_like(tensor) for _ in range(dims.dp)]
+        dist.all_gather(out, tensor.contiguous(), group=dims.dp_group)
         gathered.append(torch.cat(out))
     rollout = RolloutBatch(*gathered[: len(RolloutBatch.FIELDS)])
     return StepBatch(rollout, gathered[-2], gathered[-1].bool())

@@ -23,12 +23,12 @@ import statistics
 import torch
 
 from fp8rl.config import EvalConfig
+from fp8rl.models.dims import SINGLE, ParallelDims
 from fp8rl.models.policy import Policy
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutEngine
 from fp8rl.rollout.builtin import BuiltinEngine
 from fp8rl.tasks.base import Problem, Task
-from fp8rl.trainer.distributed import SINGLE, DataParallel
 
 EVAL_SEED = 20_240_611  # base of the fixed per-(problem, sample) sampling seeds
 ROWS_PER_CALL = 512  # prompts per generate call
@@ -44,9 +44,9 @@ class Evaluator:
         policy: Policy,
         sampling: SamplingConfig,
         cfg: EvalConfig,
-        dp: DataParallel = SINGLE,
+        dims: ParallelDims = SINGLE,
     ) -> None:
-        self.task, self.engine, self.cfg, self.dp = task, engine, cfg, dp
+        self.task, self.engine, self.cfg, self.dims = task, engine, cfg, dims
         if cfg.samples == 1:
             self.sampling = dataclasses.replace(sampling, temperature=0.0)
         else:
@@ -73,7 +73,8 @@ class Evaluator:
     def _evaluate_set(self, engine: RolloutEngine, problems: list[Problem]) -> dict[str, float]:
         k = self.cfg.samples
         rows = [p for p in problems for _ in range(k)]
-        mine = range(len(rows) * self.dp.rank // self.dp.size, len(rows) * (self.dp.rank + 1) // self.dp.size)
+        dims = self.dims
+        mine = range(len(rows) * dims.dp_rank // dims.dp, len(rows) * (dims.dp_rank + 1) // dims.dp)
         rewards, garbled, lengths, entropy_sum, tokens = [], [], [], 0.0, 0
         for start in range(mine.start, mine.stop, ROWS_PER_CALL):
             indices = range(start, min(start + ROWS_PER_CALL, mine.stop))
@@ -87,9 +88,9 @@ class Evaluator:
             lengths += mask.sum(1).tolist()
             entropy_sum += float((batch.rollout_entropy * mask).sum())
             tokens += int(mask.sum())
-        gather = self.dp.gather_1d
+        gather = self.dims.gather_1d
         per_problem = gather(torch.tensor(rewards, dtype=torch.float64)).view(len(problems), k)
-        entropy_and_tokens = self.dp.sum(torch.tensor([entropy_sum, tokens], dtype=torch.float64))
+        entropy_and_tokens = self.dims.sum(torch.tensor([entropy_sum, tokens], dtype=torch.float64))
         return {
             f"avg_at_{k}": float(per_problem.mean()),
             f"pass_at_{k}": float((per_problem > 0).any(dim=1).float().mean()),

@@ -68,7 +68,7 @@ def fit(
     log_seconds = None
     rank, world_size = _rank_and_world()
     if _same_on_every_rank(trainer.step == 0 and tracker.last_logged_step() < 0):
-        evaluation = trainer.dp.mean_of_floats(trainer.evaluate())
+        evaluation = trainer.dims.mean_of_floats(trainer.evaluate())
         log_started = time.perf_counter()
         _log(tracker, summary, evaluation, 0)
         log_seconds = time.perf_counter() - log_started
@@ -85,7 +85,7 @@ def fit(
             trainer.bad_steps_in_a_row = 0 if result.good else trainer.bad_steps_in_a_row + 1
             if _eval_due(cfg, trainer.step):
                 result.metrics.update(trainer.evaluate())
-            metrics = trainer.dp.mean_of_floats(result.metrics)
+            metrics = trainer.dims.mean_of_floats(result.metrics)
             log_started = time.perf_counter()
             _log(tracker, summary, metrics, trainer.step)
             log_seconds = time.perf_counter() - log_started

@@ -18,6 +18,7 @@ import torch
 
 from fp8rl import algos
 from fp8rl.config import RunConfig
+from fp8rl.models.dims import SINGLE, ParallelDims
 from fp8rl.models.gpt import fp8_switchable_linears
 from fp8rl.models.policy import Policy, unwrapped
 from fp8rl.models.sampling import SamplingConfig
@@ -33,7 +34,6 @@ from fp8rl.trainer.batch import (
     step_generator,
     step_seed,
 )
-from fp8rl.trainer.distributed import SINGLE, DataParallel
 from fp8rl.trainer.evaluation import Evaluator
 from fp8rl.trainer.optim import PolicyOptimizer
 from fp8rl.trainer.precision import PrecisionPlan, running_in
@@ -56,9 +56,9 @@ class Parts:
     plan: PrecisionPlan
     sampling: SamplingConfig
     reference: torch.nn.Module | None = None  # frozen start policy for the KL penalty (algo.kl_coef > 0)
-    dp: DataParallel = SINGLE
+    dims: ParallelDims = SINGLE
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    micro_batch_size: int | None = None  # pipeline parallelism: sequences per micro-batch (None: one per mini-batch)
+    micro_batch_size: int | None = None  # rows per forward/backward pass (None: a mini-batch / batch at once)
 
 
 @dataclass
@@ -76,10 +76,10 @@ class RLTrainer:
         self.policy = parts.policy
         self.model = parts.policy.module
         self.task, self.engine, self.sampling = parts.task, parts.engine, parts.sampling
-        self.clip_policy, self.plan, self.dp = parts.clip_policy, parts.plan, parts.dp
+        self.clip_policy, self.plan, self.dims = parts.clip_policy, parts.plan, parts.dims
         self.objective = parts.objective
-        self.sampler = StepSampler(self.task, self.engine, self.sampling, cfg.algo, cfg.trainer.seed, self.dp)
-        self.evaluator = Evaluator(self.task, self.engine, self.policy, self.sampling, cfg.eval, self.dp)
+        self.sampler = StepSampler(self.task, self.engine, self.sampling, cfg.algo, cfg.trainer.seed, self.dims)
+        self.evaluator = Evaluator(self.task, self.engine, self.policy, self.sampling, cfg.eval, self.dims)
         self.step = 0
         self.bad_steps_in_a_row = 0
         self.model.train()
@@ -99,6 +99,7 @@ class RLTrainer:
                 self.sampling.temperature,
                 self.sampling.vocab_size,
                 grad=grad,
+                micro_batch_size=self.parts.micro_batch_size,
             )
 
     def wants_shadow(self, step: int) -> bool:
@@ -120,11 +121,12 @@ class RLTrainer:
         data.rollout = data.rollout.to(self.parts.device)
         data.adv, data.keep = data.adv.to(self.parts.device), data.keep.to(self.parts.device)
         timings["time/rollout"] = time.perf_counter() - started
+        timings["time/engine_sleep"] = self.engine.sleep()  # a colocated vLLM frees its share; sync_weights wakes it
 
         t = time.perf_counter()
         old_logp, _ = self.logprobs(data.rollout, self.plan.train_recipe, grad=False)
         timings["time/old_logp"] = time.perf_counter() - t
-        shadow = ShadowComparison(self.logprobs, self.cfg.algo, self.dp) if self.wants_shadow(step) else None
+        shadow = ShadowComparison(self.logprobs, self.cfg.algo, self.dims) if self.wants_shadow(step) else None
         if shadow is not None:
             shadow.record_old(data.rollout)
         reference_logp = None
@@ -155,11 +157,11 @@ class RLTrainer:
     def _offpolicy_metrics(self, old_logp: torch.Tensor, rollout: RolloutBatch) -> dict[str, float]:
         """verl's ``rollout_corr/`` mismatch metrics of the step's whole batch (every data-parallel rank's rows)."""
         stats = algos.offpolicy_statistics(old_logp, rollout.rollout_logp, rollout.response_mask)
-        combined = {k: self.dp.sum(v) if k == "token_sums" else self.dp.gather_1d(v) for k, v in stats.items()}
+        combined = {k: self.dims.sum(v) if k == "token_sums" else self.dims.gather_1d(v) for k, v in stats.items()}
         return algos.metrics_to_floats(algos.offpolicy_metrics(combined))
 
     def _mean_over_tokens(self, values: torch.Tensor, mask: torch.Tensor) -> float:
-        totals = self.dp.sum(torch.stack([(values * mask).sum().double(), mask.sum().double()]).cpu())
+        totals = self.dims.sum(torch.stack([(values * mask).sum().double(), mask.sum().double()]).cpu())
         return float(totals[0] / totals[1].clamp(min=1))
 
     def minibatches(self, rows: int, epoch_seed: int) -> list[torch.Tensor]:
@@ -170,9 +172,9 @@ class RLTrainer:
         when each rank's groups fill whole blocks)."""
         group, count = self.cfg.algo.group_size, self.cfg.algo.num_minibatches
         local_groups = rows // group
-        first = self.dp.rank * local_groups
+        first = self.dims.dp_rank * local_groups
         rng = random.Random(step_seed(self.cfg.trainer.seed, epoch_seed, SHUFFLE_SALT))
-        blocks = -(-local_groups * self.dp.size // count)
+        blocks = -(-local_groups * self.dims.dp // count)
         assignment = [m for _ in range(blocks) for m in rng.sample(range(count), count)]  # global group -> mini-batch
         mine = assignment[first : first + local_groups]
         out = []
@@ -198,7 +200,7 @@ class RLTrainer:
             for rows in self.minibatches(data.adv.shape[0], step * 131 + epoch):
                 rows = rows.to(self.parts.device)
                 mb, mb_mask = data.rollout.select(rows), loss_mask[rows]
-                if float(self.dp.sum(mb_mask.sum().double().cpu())) == 0:  # DAPO dropped every group: no step
+                if float(self.dims.sum(mb_mask.sum().double().cpu())) == 0:  # DAPO dropped every group: no step
                     continue
                 ratio_ref = None
                 if shadow is not None and updates_done >= 1:  # after an update: pi_theta != pi_old
@@ -224,14 +226,14 @@ class RLTrainer:
         std = self.cfg.clipping.synthetic_overclip_std
         if not std:
             return None
-        gen = step_generator(self.cfg.trainer.seed, step * 1009 + update * 31 + self.dp.rank, OVERCLIP_SALT)
+        gen = step_generator(self.cfg.trainer.seed, step * 1009 + update * 31 + self.dims.dp_rank, OVERCLIP_SALT)
         return (torch.randn(old_logp.shape, generator=gen, dtype=torch.float32) * std).to(old_logp.device)
 
     def minibatch_update(self, mb, mask, old_logp, adv, ratio_ref, reference_logp, overclip_noise=None):
         """One optimizer step on this rank's share of a mini-batch, with the loss normalised over the whole
         global mini-batch. Returns (metrics, detached log-probs (rows, response_len), whether it was applied)."""
         correction = self.objective.correct(old_logp, mb.rollout_logp, mask)  # once per mini-batch
-        denominator = float(self.dp.sum(torch.tensor(self.objective.count(correction), dtype=torch.float64)))
+        denominator = float(self.dims.sum(torch.tensor(self.objective.count(correction), dtype=torch.float64)))
         tokens = algos.TokenBatch(old_logp, adv, mask, correction, reference_logp)
         micro = micro_batches(mb, tokens, self.parts.micro_batch_size, overclip_noise)
         loss_fn = partial(self._loss, denominator=denominator)
@@ -251,7 +253,7 @@ class RLTrainer:
         local.update(algos.metrics_to_floats(correction.metrics))
         if ratio_ref is not None:
             local.update(ShadowComparison.overclip(ratio_ref, logp, tokens, self.clip_policy.bounds, self.cfg.algo))
-        out = combine_shares(self.dp.all_gather_objects(local))
+        out = combine_shares(self.dims.all_gather_objects(local))
         if not finite:
             self.parts.optimizer.zero_grad()
             out["train/nonfinite"] = 1.0
@@ -273,17 +275,17 @@ class RLTrainer:
             tokens = dataclasses.replace(tokens, grad_zero_mask=zeroed)
         loss, metrics = self.objective(logp, entropy, tokens, bounds, denominator)
         # The loss is this rank's share of the global loss; Megatron DDP averages gradients over DP ranks.
-        scale = self.dp.size if self.parts.optimizer.averages_over_data_parallel else 1
+        scale = self.dims.dp if self.parts.optimizer.averages_over_data_parallel else 1
         return loss * scale, algos.metrics_to_floats(metrics)
 
     # ------------------------------------------------------------------------------------------- rollback
     def _snapshot(self) -> dict[str, Any]:
-        """Weights, optimizer and FP8 scaling state before a step's updates (restored if one is non-finite)."""
+        """Weights, optimizer and FP8 scaling state before a step's updates (restored if one is non-finite), kept
+        in host memory: on a GPU a copy on the device would cost the weights and optimizer state again (~20 GB
+        per GPU for qwen3_8b); the restore copies back to each tensor's device."""
         return {
-            "model": {
-                k: v.detach().clone() for k, v in unwrapped(self.model).state_dict().items() if torch.is_tensor(v)
-            },
-            "optimizer": _clone_tree(self.parts.optimizer.state_dict()),
+            "model": {k: _to_host(v) for k, v in unwrapped(self.model).state_dict().items() if torch.is_tensor(v)},
+            "optimizer": _clone_tree(self.parts.optimizer.state_dict(), _to_host),
             "fp8_delayed_scaling": self._delayed_scaling_states(),
         }
 
@@ -336,14 +338,19 @@ class RLTrainer:
         return self.evaluator.run()
 
 
-def _clone_tree(value: Any) -> Any:
-    """A deep copy of nested dicts/lists whose tensors are cloned."""
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory (on CPU: a clone)."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _clone_tree(value: Any, copy=lambda t: t.detach().clone()) -> Any:
+    """A deep copy of nested dicts/lists whose tensors are copied with `copy` (default: cloned in place)."""
     if torch.is_tensor(value):
-        return value.detach().clone()
+        return copy(value)
     if isinstance(value, dict):
-        return {k: _clone_tree(v) for k, v in value.items()}
+        return {k: _clone_tree(v, copy) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_clone_tree(v) for v in value)
+        return type(value)(_clone_tree(v, copy) for v in value)
     return value
 
 

@@ -31,8 +31,8 @@ from fp8rl import algos
 from fp8rl.algos.calibration import CalibStatus
 from fp8rl.algos.diagnostics import LOG_RATIO_CLAMP
 from fp8rl.config import AlgoConfig
+from fp8rl.models.dims import ParallelDims
 from fp8rl.rollout.base import RolloutBatch
-from fp8rl.trainer.distributed import DataParallel
 
 # (batch, recipe) -> (log-probs, entropy) of the batch's responses; recipe None = BF16
 LogProbs = Callable[[RolloutBatch, Any], tuple[torch.Tensor, torch.Tensor]]
@@ -51,8 +51,8 @@ class _Pool:
 class ShadowComparison:
     """Collects the BF16-vs-FP8 ratios of one step (module docstring)."""
 
-    def __init__(self, logprobs: LogProbs, algo: AlgoConfig, dp: DataParallel) -> None:
-        self.logprobs, self.algo, self.dp = logprobs, algo, dp
+    def __init__(self, logprobs: LogProbs, algo: AlgoConfig, dims: ParallelDims) -> None:
+        self.logprobs, self.algo, self.dims = logprobs, algo, dims
         self.seconds = 0.0
         self._old_ref: torch.Tensor | None = None
         self._pool = _Pool()
@@ -96,12 +96,12 @@ class ShadowComparison:
 
     def pooled(self, half: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ratio_ref, ratio_fp8, adv) of the pooled tokens (of one half of the sequences), over all ranks."""
-        dp = self.dp
+        dims = self.dims
         chosen = [i for i, h in enumerate(self._pool.half) if half is None or h == half]
 
         def cat(items: list[torch.Tensor]) -> torch.Tensor:
             local = torch.cat([items[i] for i in chosen]) if chosen else torch.zeros(0)
-            return dp.gather_1d(local)
+            return dims.gather_1d(local)
 
         return cat(self._pool.ratio_ref), cat(self._pool.ratio_fp8), cat(self._pool.adv)
 

@@ -29,3 +29,39 @@ def test_the_tables_split_where_the_policy_first_calibrates(first_step: int | No
     first_calibration = min(step for step in range(50) if policy.needs_calibration(step))
     params = {key: str(value) for key, value in flatten(to_dict(cfg)).items()}
     assert schedule_windows(params)["mean_calibrated_bounds"][0] == first_calibration + 2
+
+
+def test_the_vllm_engine_is_placed_where_the_layout_says(monkeypatch) -> None:
+    """build_engine used to pass no rollout TP, memory share, length or sleep mode: vLLM ran TP 1 with its share
+    resident during training whatever the layout said."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from fp8rl.job import parts
+    from fp8rl.models.dims import ParallelDims
+    from fp8rl.models.parallel import preset_layout
+    from fp8rl.rollout import vllm_engine
+
+    seen = {}
+    monkeypatch.setattr(vllm_engine, "VllmEngine", lambda *args, **kwargs: seen.update(kwargs))
+    cfg = with_overrides(RunConfig(), {"rollout.engine": "vllm", "model.device": "cuda"})
+    dims = ParallelDims(tp=4, dp=2, plan=dataclasses.replace(preset_layout("qwen3_14b"), rollout_memory_fraction=0.3))
+    policy = SimpleNamespace(dims=dims)
+    task = SimpleNamespace(tokenizer=SimpleNamespace(pad_id=0, save=None))
+    plan = SimpleNamespace(rollout_recipe=None)
+    parts.build_engine(cfg, policy, None, task, plan)
+    assert (seen["tensor_parallel_size"], seen["max_model_len"]) == (2, 8192)
+    assert (seen["gpu_memory_utilization"], seen["enable_sleep_mode"]) == (0.3, True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [({}, None), ({"parallel.micro_batch_size": 2}, 2), ({"model.device": "cuda"}, 1)],
+)
+def test_passes_are_micro_batched_on_a_gpu_or_when_asked(overrides: dict, expected: int | None) -> None:
+    """On a GPU a rank's whole batch was scored in one pass (qwen3_8b: ~159 GB of logits)."""
+    from fp8rl.job.parts import micro_batch_size
+    from fp8rl.models.parallel import preset_layout
+
+    cfg = with_overrides(RunConfig(), overrides)
+    assert micro_batch_size(cfg, preset_layout("tiny", micro_batch_size=cfg.parallel.micro_batch_size)) == expected

@@ -171,3 +171,22 @@ def test_slurm_profile_must_give_the_layout_its_nodes_and_gpus() -> None:
     with pytest.raises(ConfigError, match=r"needs nodes=2, gpus_per_node=8.*--set nodes=2"):
         check_fits(paper_cfg("qwen2_5_32b"), launcher)
     check_fits(paper_cfg("qwen2_5_32b"), resolve_launcher("slurm", "example_h100", {"nodes": 2}, None))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rollout_tensor_parallel": 3}, r"rollout_tensor_parallel=3 does not divide the 8 GPUs"),
+        ({"rollout_memory_fraction": 1.2}, r"rollout_memory_fraction=1.2 must be in \(0, 1\)"),
+    ],
+)
+def test_a_colocated_rollout_that_cannot_be_placed_is_refused(overrides: dict, message: str) -> None:
+    with pytest.raises(ParallelLayoutError, match=message):
+        check_layout(preset_layout("qwen3_8b", **overrides), get_model_config("qwen3_8b"), memory=False)
+
+
+def test_a_separate_rollout_placement_is_refused_until_the_job_runs_one() -> None:
+    """The job runs its vLLM engine on the trainer's own ranks: a separate placement would silently colocate."""
+    cfg = with_overrides(RunConfig(), {"parallel.rollout_placement": "separate", "parallel.rollout_gpus": 1})
+    with pytest.raises(PreflightError, match="not run by the job yet"):
+        run_layout(cfg, 2)

@@ -256,3 +256,23 @@ def test_dapo_resampling_is_deterministic_and_keeps_the_batch_size(small_cfg: Ru
         assert torch.equal(getattr(first.rollout, name), getattr(second.rollout, name)), name
     assert torch.equal(first.adv, second.adv) and torch.equal(first.keep, second.keep)
     assert first.metrics["rollout/kept_groups"] <= small_cfg.algo.prompts_per_step
+
+
+def test_the_engine_sleeps_from_the_end_of_the_rollout_to_the_weight_push(small_cfg: RunConfig, monkeypatch) -> None:
+    """A colocated vLLM must free its share while the trainer computes; nothing used to call sleep()."""
+    from fp8rl.rollout.builtin import BuiltinEngine
+
+    calls: list[str] = []
+    for name in ("generate", "sleep", "sync_weights"):
+        original = getattr(BuiltinEngine, name)
+
+        def recorded(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(BuiltinEngine, name, recorded)
+    trainer = build_trainer(with_overrides(small_cfg, {"trainer.steps": 1}))
+    calls.clear()
+    result = trainer.train_step(0)
+    assert calls[-2:] == ["sleep", "sync_weights"] and set(calls[:-2]) == {"generate"}, calls
+    assert "time/engine_sleep" in result.metrics

@@ -9,7 +9,7 @@ import torch
 from fp8rl import algos
 from fp8rl.algos.calibration import CalibratedClipBounds, StandardClipBounds
 from fp8rl.config import RunConfig
-from fp8rl.trainer.distributed import SINGLE
+from fp8rl.models.dims import SINGLE
 from fp8rl.trainer.shadow import ShadowComparison
 
 ROWS, LENGTH = 16, 12

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from fp8rl.algos.calibration import CalibratedClipBounds
 from fp8rl.config import RunConfig
-from fp8rl.trainer.distributed import SINGLE, DataParallel
+from fp8rl.models.dims import SINGLE, ParallelDims
 from fp8rl.trainer.shadow import ShadowComparison
 
 ROWS, LENGTH, MINIBATCHES = 32, 64, 4
@@ -28,11 +28,11 @@ def noisy_minibatches(seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
     return out
 
 
-def calibrated(dp: DataParallel) -> tuple[tuple[float, float], dict[str, float]]:
+def calibrated(dims: ParallelDims) -> tuple[tuple[float, float], dict[str, float]]:
     """This rank's bounds and shadow metrics after pooling its share (half the rows of each mini-batch)."""
     policy = CalibratedClipBounds(first_step=0, ema=0.0)
-    shadow = ShadowComparison(lambda batch, recipe: None, RunConfig().algo, dp)  # the pool only: no log-probs
-    share = slice(dp.rank * ROWS // dp.size, (dp.rank + 1) * ROWS // dp.size)
+    shadow = ShadowComparison(lambda batch, recipe: None, RunConfig().algo, dims)  # the pool only: no log-probs
+    share = slice(dims.dp_rank * ROWS // dims.dp, (dims.dp_rank + 1) * ROWS // dims.dp)
     for ratio_ref, ratio_fp8, adv, mask in noisy_minibatches():
         keys = torch.arange(ROWS)[share] * 7919  # a sequence's key travels with it, whichever rank holds it
         shadow.add(ratio_ref[share], ratio_fp8[share], adv[share], mask[share], keys)
@@ -43,7 +43,7 @@ def calibrated(dp: DataParallel) -> tuple[tuple[float, float], dict[str, float]]
 def _rank(rank: int, store: str, queue) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        queue.put((rank, calibrated(DataParallel(rank=rank, size=2))))
+        queue.put((rank, calibrated(ParallelDims(dp=2, dp_rank=rank))))
     finally:
         dist.destroy_process_group()
 
