@@ -61,7 +61,8 @@ def run_layout(cfg: RunConfig, world_size: int) -> ParallelLayout:
         # of its size fits any GPU).
         if model_cfg is not None:
             memory = cfg.model.device == "cuda" and model_cfg.vocab_size is not None
-            check_layout(layout, model_cfg, memory=memory)
+            unfused = cfg.precision.backend == "emulated"  # megatron's local attention: every head's scores
+            check_layout(layout, model_cfg, memory=memory, unfused_attention=unfused)
     except ParallelLayoutError as err:
         raise PreflightError(str(err)) from err
     if cfg.algo.prompts_per_step % layout.data_parallel:

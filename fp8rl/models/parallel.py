@@ -33,6 +33,9 @@ by TP x PP unless said otherwise:
   full-vocabulary gather when TP > 1, 4 + 4 for the FP32 copy and its log-softmax):
   fp8rl.models.logprobs gathers the vocabulary and scores in FP32 (a vocab-parallel log-softmax would
   divide all of it by TP).
+- attention scores, when the trainer runs megatron's unfused local attention (the emulated FP8 backend; TE
+  fuses it): one layer's BF16 scores and softmax probabilities, micro x heads / TP x seq x seq x 4 bytes
+  (qwen3_8b at 16K: ~17 GB at TP 2), so a paper-scale emulated arm (rowwise) is refused where it cannot fit.
 - colocated vLLM: its share (``rollout_memory_fraction`` x GPU memory: vLLM 0.32 treats
   gpu_memory_utilization as this engine's budget for weights, KV cache and activations). With sleep mode
   (``rollout_sleep``, the CUDA default of fp8rl.rollout.vllm_engine: level 1 offloads the weights to CPU
@@ -126,9 +129,12 @@ def preset_layout(model_preset: str, **overrides) -> ParallelLayout:
     return dataclasses.replace(PARALLEL_PRESETS.get(model_preset, ParallelLayout()), **changes)
 
 
-def check_layout(layout: ParallelLayout, model: ModelConfig, memory: bool = True) -> None:
+def check_layout(
+    layout: ParallelLayout, model: ModelConfig, memory: bool = True, unfused_attention: bool = False
+) -> None:
     """Raise ParallelLayoutError naming the setting to change when `layout` cannot run `model` (and, with
-    `memory`, when the per-GPU memory estimate exceeds the GPU)."""
+    `memory`, when the per-GPU memory estimate exceeds the GPU; `unfused_attention`: the trainer runs megatron's
+    local attention, as the emulated FP8 backend does, which materialises every head's scores)."""
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     if layout.rollout_placement not in PLACEMENTS:
         raise ParallelLayoutError(
@@ -184,8 +190,16 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, memory: bool = True
         )
     if not memory:
         return
-    parts = memory_breakdown_gb(layout, model)
+    parts = memory_breakdown_gb(layout, model, unfused_attention)
     need, have = parts["total"], layout.gpu_memory_gb
+    if need > have and parts["attention_scores"] > 0:
+        raise ParallelLayoutError(
+            f"{model.name} with {layout.describe()} needs ~{need:.0f} GB per GPU (estimate), the GPU has "
+            f"{have:.0f} GB; "
+            f"~{parts['attention_scores']:.0f} GB of it are one layer's attention scores and probabilities, which the "
+            "emulated FP8 backend materialises (megatron's unfused local attention): lower parallel.max_seq_len, or "
+            "train with precision.backend=te (recipes tensorwise, blockwise, mxfp8; rowwise has no fused FP8 path)"
+        )
     if need > have:
         raise ParallelLayoutError(
             f"{model.name} with {layout.describe()} needs ~{need:.0f} GB per GPU (estimate), "
@@ -203,10 +217,14 @@ def check_layout(layout: ParallelLayout, model: ModelConfig, memory: bool = True
         )
 
 
-def memory_breakdown_gb(layout: ParallelLayout, model: ModelConfig) -> dict[str, float]:
+def memory_breakdown_gb(
+    layout: ParallelLayout, model: ModelConfig, unfused_attention: bool = False
+) -> dict[str, float]:
     """Per-GPU memory estimate in GB, by part (module docstring); "total" is the peak `check_layout` compares.
 
-    Keys: weights, main_grads, optimizer (resident), activations, logits (training transients), rollout
+    Keys: weights, main_grads, optimizer (resident), activations, logits, attention_scores (training transients;
+    the last only with `unfused_attention`: one layer's BF16 scores and softmax probabilities, micro x heads / TP x
+    seq x seq x 4 bytes, ~17 GB per 16K sequence for qwen3_8b's 32 heads), rollout
     (the colocated vLLM share, 0 when separate), rollout_weights and rollout_kv_one_sequence (what the vLLM
     engine needs at least), total.
     """
@@ -231,13 +249,18 @@ def memory_breakdown_gb(layout: ParallelLayout, model: ModelConfig) -> dict[str,
         "optimizer": 12.0 * params / optimizer_shard,
         "activations": activations,
         "logits": logits,
+        "attention_scores": (
+            4.0 * layout.micro_batch_size * -(-model.num_attention_heads // tp) * layout.max_seq_len**2
+            if unfused_attention
+            else 0.0
+        ),
         "rollout": layout.rollout_memory_fraction * layout.gpu_memory_gb * 1e9 if colocated else 0.0,
         "rollout_weights": 2.0 * params / rollout_tp,
         "rollout_kv_one_sequence": 2.0 * model.num_layers * kv_heads * model.kv_channels * 2.0 * layout.max_seq_len,
     }
     parts = {k: v / 1e9 for k, v in parts.items()}
     resident = parts["weights"] + parts["main_grads"] + parts["optimizer"]
-    transients = parts["activations"] + parts["logits"]
+    transients = parts["activations"] + parts["logits"] + parts["attention_scores"]
     if layout.rollout_sleep:
         parts["total"] = resident + max(transients, parts["rollout"])
     else:
@@ -245,9 +268,9 @@ def memory_breakdown_gb(layout: ParallelLayout, model: ModelConfig) -> dict[str,
     return parts
 
 
-def estimate_memory_gb(layout: ParallelLayout, model: ModelConfig) -> float:
+def estimate_memory_gb(layout: ParallelLayout, model: ModelConfig, unfused_attention: bool = False) -> float:
     """Per-GPU peak memory estimate of the trainer and the colocated vLLM, in GB (`memory_breakdown_gb`)."""
-    return memory_breakdown_gb(layout, model)["total"]
+    return memory_breakdown_gb(layout, model, unfused_attention)["total"]
 
 
 def valid_tensor_parallel(model: ModelConfig, limit: int) -> list[int]:

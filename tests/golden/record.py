@@ -36,8 +36,10 @@ REPO = Path(__file__).resolve().parents[2]
 # Set before torch starts (so in a fresh process): the kernels every machine with AVX2 can run identically.
 KERNELS = {
     "ATEN_CPU_CAPABILITY": "avx2",  # ATen's vectorised kernels and torch.compile's C++ kernels
-    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL's GEMMs (MKL_CBWR alone left some of them on AVX-512 here)
-    "MKL_CBWR": "AVX2,STRICT",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL's GEMMs never above AVX2
+    # MKL's vendor-neutral branch: on AMD CPUs MKL ignores its AVX2 / AVX / SSE4_2 branches (each gives the same bits
+    # as no setting there), so only COMPATIBLE (SSE2) can compute the same GEMMs on Intel and AMD machines.
+    "MKL_CBWR": "COMPATIBLE",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
 # Another machine's core count (used by --check-machine): one core, the same 2 threads.

@@ -190,3 +190,27 @@ def test_a_separate_rollout_placement_is_refused_until_the_job_runs_one() -> Non
     cfg = with_overrides(RunConfig(), {"parallel.rollout_placement": "separate", "parallel.rollout_gpus": 1})
     with pytest.raises(PreflightError, match="not run by the job yet"):
         run_layout(cfg, 2)
+
+
+def test_an_emulated_arm_at_paper_scale_counts_its_unfused_attention_and_is_refused_where_it_cannot_fit() -> None:
+    """The emulated backend (the rowwise arms on a GPU) runs megatron's local attention: qwen3_8b at 16K holds
+    ~17 GB of one layer's scores, which the estimate used to leave out (it passed at 68 of 80 GB)."""
+    model, layout = get_model_config("qwen3_8b"), preset_layout("qwen3_8b")
+    check_layout(layout, model)  # Transformer Engine's fused attention fits an H100
+    parts = memory_breakdown_gb(layout, model, unfused_attention=True)
+    assert parts["attention_scores"] == pytest.approx(4 * 16 * 16384**2 / 1e9)
+    with pytest.raises(ParallelLayoutError, match="attention scores and probabilities.*precision.backend=te"):
+        check_layout(layout, model, unfused_attention=True)
+    check_layout(dataclasses.replace(layout, gpu_memory_gb=141.0), model, unfused_attention=True)  # an H200 holds it
+
+
+def test_preflight_refuses_a_paper_scale_rowwise_arm_that_cannot_fit_and_passes_its_te_sibling() -> None:
+    base = {
+        "model.preset": "qwen3_8b",
+        "model.device": "cuda",
+        "precision.mode": "fp8_full",
+        "algo.prompts_per_step": 32,
+    }
+    with pytest.raises(PreflightError, match="emulated FP8 backend materialises"):
+        run_layout(with_overrides(RunConfig(), {**base, "precision.recipe": "rowwise"}), 8)
+    run_layout(with_overrides(RunConfig(), {**base, "precision.recipe": "tensorwise", "precision.backend": "te"}), 8)
