@@ -262,6 +262,7 @@ def existing_runs(cfg: RunConfig, uri: str, digest: str) -> tuple[str | None, st
 
 def run_tags(cfg: RunConfig, digest: str, env: DistEnv, state: dict | None) -> dict[str, str]:
     """Identity, the arm's axes, the attempt, and provenance (recorded after the process settings)."""
+    origin = provenance()
     return {
         store.HASH_TAG: digest,
         "algo": cfg.algo.name,
@@ -271,7 +272,21 @@ def run_tags(cfg: RunConfig, digest: str, env: DistEnv, state: dict | None) -> d
         "rollout_correction": cfg.clipping.rollout_correction,
         "seed": str(cfg.trainer.seed),
         **cfg.tracking.tags,
-        **provenance(),
+        **origin,
+        **source_tags(origin["git_sha"]),
+    }
+
+
+def source_tags(git_sha: str) -> dict[str, str]:
+    """MLflow's own source tags, set by the job: MLflow reads them from ``sys.argv[0]`` and its checkout, which
+    under submitit are ``_submit.py`` in site-packages (no git commit); every sweep run showed that."""
+    command = shown_command()
+    if not command.startswith(("python -m fp8rl", "fp8rl")):
+        command = "fp8rl.job.run_job (a submitit job of an fp8rl sweep)"
+    return {
+        "mlflow.source.name": command,
+        "mlflow.source.type": "JOB" if "SLURM_JOB_ID" in os.environ else "LOCAL",
+        "mlflow.source.git.commit": git_sha,
     }
 
 

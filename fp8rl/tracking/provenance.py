@@ -63,6 +63,34 @@ def allocator_settings() -> str:
     return ", ".join(set_here) if set_here else "default"
 
 
+# CPU features that change which kernels run (ATen's vectorised code, MKL, oneDNN): the tiny results' numbers
+# depend on them unless the kernels are pinned (tests/golden/record.py KERNELS).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_fp16")
+KERNEL_SETTINGS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict[str, str]:
+    """The CPU's model, vendor and kernel-relevant flags (Linux ``/proc/cpuinfo``), and the kernel settings in
+    effect; "unknown" where the file is absent."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    pinned = [f"{key}={os.environ[key]}" for key in KERNEL_SETTINGS if key in os.environ]
+    return {
+        "cpu_model": fields.get("model name", "unknown"),
+        "cpu_vendor": fields.get("vendor_id", "unknown"),
+        "cpu_flags": ",".join(flag for flag in CPU_FLAGS if flag in flags) or "none of " + ",".join(CPU_FLAGS),
+        "kernel_settings": ", ".join(pinned) if pinned else "default",
+    }
+
+
 def machine_info() -> dict[str, str]:
     info = {
         "hostname": platform.node(),
@@ -70,12 +98,14 @@ def machine_info() -> dict[str, str]:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": str(os.cpu_count()),
         "malloc": allocator_settings(),
+        **cpu_info(),
     }
     try:
         import torch
 
         info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
         info["torch_threads"] = str(torch.get_num_threads())
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     except ImportError:  # pragma: no cover
         pass
     return info

@@ -38,3 +38,21 @@ def test_a_finished_run_is_not_reopened_by_the_same_command(small_cfg: RunConfig
     contexts = {i.dataset.name: {t.key: t.value for t in i.tags} for i in after.inputs.dataset_inputs}
     assert contexts["arithmetic-train"]["mlflow.data.context"] == "training"
     assert contexts["arithmetic-heldout"]["mlflow.data.context"] == "evaluation"
+
+
+def test_a_submitit_job_records_fp8rls_source_and_git_commit_not_submitits(monkeypatch) -> None:
+    """MLflow takes a run's source and git commit from sys.argv[0]: under submitit that is its ``_submit.py`` in
+    site-packages, so all 80 runs of the GRPO table recorded submitit as their source and no commit."""
+    from mlflow.tracking.context.registry import resolve_tags
+
+    from fp8rl.job.distributed import SINGLE_PROCESS
+    from fp8rl.job.run import run_tags
+    from fp8rl.tracking.provenance import git_info
+
+    monkeypatch.setattr(sys, "argv", ["/site-packages/submitit/core/_submit.py", "/tmp/jobs"])
+    monkeypatch.setitem(sys.modules, "__main__", type(sys)("__main__"))  # no module spec: a script
+    monkeypatch.setenv("SLURM_JOB_ID", "17")
+    tags = resolve_tags(run_tags(RunConfig(), "abc", SINGLE_PROCESS, None))
+    assert tags["mlflow.source.name"].startswith("fp8rl.job.run_job")
+    assert tags["mlflow.source.type"] == "JOB"
+    assert tags["mlflow.source.git.commit"] == git_info()["git_sha"] != "unknown"

@@ -34,3 +34,25 @@ def test_provenance_names_the_allocator_setting(monkeypatch) -> None:
     record = provenance()
     assert record["machine.malloc"] == "MALLOC_MMAP_THRESHOLD_=33554432"
     assert record["git_sha"] != ""
+
+
+AMD_CPUINFO = """processor	: 0
+vendor_id	: AuthenticAMD
+model name	: AMD EPYC
+flags		: fpu sse2 avx2 avx512f avx512_bf16 sha_ni
+processor	: 1
+vendor_id	: AuthenticAMD
+"""
+
+
+def test_provenance_names_the_cpu_and_the_flags_that_pick_its_kernels(monkeypatch) -> None:
+    """Tiny results differed between CPU types and the runs could not say which CPU made them."""
+    from fp8rl.tracking.provenance import cpu_info
+
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    info = cpu_info(AMD_CPUINFO)
+    assert info["cpu_vendor"] == "AuthenticAMD" and info["cpu_model"] == "AMD EPYC"
+    assert info["cpu_flags"] == "avx2,avx512f,avx512_bf16"  # no AMX
+    assert "MKL_CBWR=COMPATIBLE" in info["kernel_settings"]
+    assert "machine.cpu_flags" in provenance() and "machine.torch_cpu_capability" in provenance()
