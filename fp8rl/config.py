@@ -47,7 +47,7 @@ def option(
 
 # Vocabularies that no registry owns: what the pipeline itself can do.
 PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_full")
-FP8_BACKENDS = ("emulated", "te")
+FP8_BACKENDS = ("emulated", "te", "torchao")
 DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("colocated", "separate")
 
@@ -148,7 +148,11 @@ class PrecisionConfig:
     amax_history_len: int = option(16, "delayed scaling: amax history length", neutral=(16,))
     amax_compute_algo: str = option("max", "delayed scaling: max over the history or most_recent", neutral=("max",))
     margin: int = option(0, "delayed scaling: scale divided by 2^margin for headroom", neutral=(0,))
-    backend: str = option("emulated", "emulated (fp8rl.quant, any device) or te (Transformer Engine, GPU)")
+    backend: str = option(
+        "emulated",
+        "emulated (fp8rl.quant, any device), te (Transformer Engine, GPU) or torchao (its float8 training GEMMs: "
+        "tensorwise and rowwise; real FP8 on a GPU, torchao's emulation on CPU)",
+    )
     fp8_kv_cache: bool = option(False, "FP8 (E4M3, unit-scale) KV cache in the rollout")
     amax_reduction: str = option(
         "te",
@@ -511,9 +515,14 @@ def check_combinations(cfg: RunConfig) -> None:
         "trainer.shadow_every compares ratios after an update: set algo.num_minibatches >= 2",
     )
     _require(
-        cfg.model.device == "cuda" or p.backend == "emulated",
+        cfg.model.device == "cuda" or p.backend != "te",
         "precision.backend=te (Transformer Engine) runs on a CUDA GPU: set model.device=cuda, or use "
         "precision.backend=emulated on CPU",
+    )
+    _require(
+        p.backend != "torchao" or p.amax_reduction == "te",
+        "precision.amax_reduction=tp_invariant is the emulator's: torchao scales each rank's shard itself; use "
+        "precision.backend=emulated for it",
     )
     if cfg.task.name == "math":
         _require(cfg.task.dataset is not None, "task.name=math needs task.dataset (dapo_math_17k or deepscaler)")

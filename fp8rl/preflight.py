@@ -61,7 +61,7 @@ def run_layout(cfg: RunConfig, world_size: int) -> ParallelLayout:
         # of its size fits any GPU).
         if model_cfg is not None:
             memory = cfg.model.device == "cuda" and model_cfg.vocab_size is not None
-            unfused = cfg.precision.backend == "emulated"  # megatron's local attention: every head's scores
+            unfused = cfg.precision.backend != "te"  # the local spec (emulated, torchao): every head's scores
             check_layout(layout, model_cfg, memory=memory, unfused_attention=unfused)
     except ParallelLayoutError as err:
         raise PreflightError(str(err)) from err
@@ -105,6 +105,7 @@ def check_environment(cfg: RunConfig) -> None:
     """The machine checks of the module docstring."""
     _check_device(cfg)
     _check_transformer_engine(cfg)
+    _check_torchao(cfg)
     _check_vllm(cfg)
     _check_paths(cfg)
 
@@ -121,7 +122,7 @@ def _check_device(cfg: RunConfig) -> None:
     capability = _cuda_capability()
     if capability is None:
         raise PreflightError("model.device=cuda but no CUDA device was found; use model.device=cpu (and scale=tiny)")
-    if cfg.precision.mode != "bf16" and cfg.precision.backend == "te":
+    if cfg.precision.mode != "bf16" and cfg.precision.backend in ("te", "torchao"):
         from fp8rl.models.te_recipes import check_hardware_supports
 
         try:
@@ -142,6 +143,16 @@ def _check_transformer_engine(cfg: RunConfig) -> None:
         raise PreflightError(
             "precision.recipe=rowwise has no Transformer Engine recipe: on the te backend use tensorwise, "
             "blockwise or mxfp8, or precision.backend=emulated"
+        )
+
+
+def _check_torchao(cfg: RunConfig) -> None:
+    if cfg.precision.backend != "torchao" or cfg.precision.mode == "bf16":
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise PreflightError(
+            "precision.backend=torchao needs torchao 0.18 (the `bench` extra: pip install -e '.[bench]'), or use "
+            "precision.backend=emulated"
         )
 
 

@@ -205,3 +205,14 @@ def test_params_of_a_removed_field_still_read_back() -> None:
     params = {k: str(v) for k, v in flatten(to_dict(RunConfig())).items()}
     params["trainer.keep_freed_memory"] = "False"
     assert config_hash(from_params(params)) == config_hash(RunConfig())
+
+
+def test_the_torchao_backend_runs_its_own_recipes_only() -> None:
+    from fp8rl.choices import validated
+
+    fp8 = {"precision.mode": "fp8_full"}
+    validated(with_overrides(RunConfig(), {**fp8, "precision.recipe": "rowwise", "precision.backend": "torchao"}))
+    with pytest.raises(ConfigError, match="precision.backend=torchao has no FP8 recipe 'blockwise'"):
+        validated(with_overrides(RunConfig(), {**fp8, "precision.recipe": "blockwise", "precision.backend": "torchao"}))
+    with pytest.raises(ConfigError, match="torchao scales each rank's shard itself"):
+        with_overrides(RunConfig(), {**fp8, "precision.backend": "torchao", "precision.amax_reduction": "tp_invariant"})

@@ -27,7 +27,7 @@ from fp8rl import algos
 from fp8rl.config import AlgoConfig, ClippingConfig, PrecisionConfig, RunConfig, TaskConfig, to_dict
 from fp8rl.models.config import ModelConfig, get_model_config, with_tokenizer_vocab
 from fp8rl.models.dims import ParallelDims
-from fp8rl.models.fp8_layers import set_fp8_amax_reduction
+from fp8rl.models.fp8_layers import set_fp8_amax_reduction, set_fp8_engine
 from fp8rl.models.outliers import inject_activation_outliers
 from fp8rl.models.parallel import ParallelLayout
 from fp8rl.models.policy import Policy
@@ -139,7 +139,9 @@ def build_policy(cfg: RunConfig, weights: StartWeights, dims: ParallelDims, devi
 def policy_with_weights(weights: StartWeights, cfg: RunConfig, device: torch.device, dims: ParallelDims) -> Policy:
     """This rank's part of the local-spec model with the start weights (and the outlier ablation, if asked)."""
     policy = build_policy_module(weights.model_cfg, weights.tensors, cfg.warmstart.seed, device, dims)
-    if dims.tp > 1:
+    if cfg.precision.backend == "torchao":
+        set_fp8_engine(policy.module, "torchao")
+    elif dims.tp > 1:
         set_fp8_amax_reduction(policy.module, amax_reduction_policy(cfg.precision))
     if cfg.model.outlier_channels:
         inject_activation_outliers(

@@ -1,4 +1,10 @@
-"""Block linears that compute in emulated FP8 when a recipe is set, and as megatron's otherwise.
+"""Block linears that compute in FP8 when a recipe is set, and as megatron's otherwise.
+
+The FP8 GEMMs come from one of two engines (``fp8_engine``, set for the whole model by `set_fp8_engine`):
+"emulated" (fp8rl.quant's ``fp8_linear``, any device) or "torchao" (torchao 0.18's float8 training GEMMs,
+`fp8rl.models.te_recipes.torchao_fp8_matmul`: ``torch._scaled_mm`` on a CUDA GPU, torchao's own emulation
+elsewhere). torchao scales each operand itself: the emulator's TP amax reductions do not apply (each rank's
+shard is scaled locally, as Transformer Engine's current scaling without sequence parallelism does).
 
 megatron's local spec uses ``ColumnParallelLinear`` for ``linear_qkv`` / ``linear_fc1`` and
 ``RowParallelLinear`` for ``linear_proj`` / ``linear_fc2``. Both route the GEMM through
@@ -24,6 +30,7 @@ class Fp8SwitchableLinearMixin:
     fp8_scaling_state: Any = None  # this layer's DelayedScalingState (amax histories), made on first delayed use
     input_channel_scale: torch.Tensor | None = None  # fp8rl.models.outliers: GEMM sees (x * s) @ (W / s)^T
     fp8_amax_reduce: Callable[[str, torch.Tensor], torch.Tensor] | None = None  # see set_fp8_amax_reduction
+    fp8_engine: str = "emulated"  # or "torchao" (module docstring); see set_fp8_engine
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.input_channel_scale is not None:
@@ -38,6 +45,15 @@ class Fp8SwitchableLinearMixin:
         if kwargs.get("allreduce_dgrad"):
             # megatron's fused GEMM all-reduces the input gradient across TP ranks; keep that.
             input = copy_to_tensor_model_parallel_region(input, group=kwargs.get("tp_group"))
+        if self.fp8_engine == "torchao":
+            from fp8rl.models.te_recipes import torchao_fp8_matmul
+
+            device = input.device.type
+            if torch.is_autocast_enabled(device):  # as torchao's Float8Linear.forward: the GEMM in autocast's dtype
+                input = input.to(torch.get_autocast_dtype(device))
+            out = torchao_fp8_matmul(input, weight, self.fp8_recipe, emulate=device != "cuda")
+            bias = kwargs.get("bias")
+            return out if bias is None else out + bias.to(out.dtype)
         from fp8rl.quant import DelayedScalingState, fp8_linear  # lazily: BF16-only runs never need the emulator
 
         if getattr(self.fp8_recipe, "scaling", "current") == "delayed" and self.fp8_scaling_state is None:
@@ -98,3 +114,16 @@ def set_fp8_amax_reduction(model: torch.nn.Module, policy: str | None, group=Non
             module.fp8_amax_reduce = make_amax_reducer(
                 group if group is not None else module.tp_group, AMAX_REDUCTION_ROLES[policy][kind]
             )
+
+
+FP8_ENGINES = ("emulated", "torchao")
+
+
+def set_fp8_engine(model: torch.nn.Module, engine: str) -> int:
+    """Make every FP8-switchable linear of `model` compute its FP8 GEMMs with `engine`; returns how many."""
+    if engine not in FP8_ENGINES:
+        raise ValueError(f"FP8 engine {engine!r}; valid: {list(FP8_ENGINES)}")
+    linears = [m for m in model.modules() if isinstance(m, Fp8SwitchableLinearMixin)]
+    for linear in linears:
+        linear.fp8_engine = engine
+    return len(linears)

@@ -33,9 +33,9 @@ by TP x PP unless said otherwise:
   full-vocabulary gather when TP > 1, 4 + 4 for the FP32 copy and its log-softmax):
   fp8rl.models.logprobs gathers the vocabulary and scores in FP32 (a vocab-parallel log-softmax would
   divide all of it by TP).
-- attention scores, when the trainer runs megatron's unfused local attention (the emulated FP8 backend; TE
-  fuses it): one layer's BF16 scores and softmax probabilities, micro x heads / TP x seq x seq x 4 bytes
-  (qwen3_8b at 16K: ~17 GB at TP 2), so a paper-scale emulated arm (rowwise) is refused where it cannot fit.
+- attention scores, when the trainer runs megatron's unfused local attention (the emulated and torchao FP8
+  backends; TE fuses it): one layer's BF16 scores and softmax probabilities, micro x heads / TP x seq x seq x 4 bytes
+  (qwen3_8b at 16K: ~17 GB at TP 2), so a paper-scale rowwise arm is refused where it cannot fit.
 - colocated vLLM: its share (``rollout_memory_fraction`` x GPU memory: vLLM 0.32 treats
   gpu_memory_utilization as this engine's budget for weights, KV cache and activations). With sleep mode
   (``rollout_sleep``, the CUDA default of fp8rl.rollout.vllm_engine: level 1 offloads the weights to CPU
@@ -197,7 +197,8 @@ def check_layout(
             f"{model.name} with {layout.describe()} needs ~{need:.0f} GB per GPU (estimate), the GPU has "
             f"{have:.0f} GB; "
             f"~{parts['attention_scores']:.0f} GB of it are one layer's attention scores and probabilities, which the "
-            "emulated FP8 backend materialises (megatron's unfused local attention): lower parallel.max_seq_len, or "
+            "emulated and torchao FP8 backends materialise (megatron's unfused local attention): lower "
+            "parallel.max_seq_len, or "
             "train with precision.backend=te (recipes tensorwise, blockwise, mxfp8; rowwise has no fused FP8 path)"
         )
     if need > have:

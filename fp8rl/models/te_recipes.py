@@ -23,9 +23,10 @@ MXFP8BlockScaling, NVFP4BlockScaling; transformer_engine/common/recipe/__init__.
 has tensorwise and rowwise with dynamic (current) scaling only: `torchao_fp8_matmul` is its FP8 GEMM
 (`torchao.float8.float8_linear.matmul_with_hp_or_float8_args`, the autograd function behind
 `Float8Linear.forward`), callable from a megatron parallel linear's ``_forward_impl`` (which is not an
-``nn.Linear``, so ``convert_to_float8_training`` cannot swap it). It is not a trainer backend yet: that
-needs ``precision.backend=torchao`` in fp8rl.config and a branch in fp8rl.models.fp8_layers (see the
-function's docstring). Power-of-two scales in TE are process-wide switches read when TE is imported
+``nn.Linear``, so ``convert_to_float8_training`` cannot swap it). ``precision.backend=torchao`` makes it the
+trainer's FP8 GEMM (fp8rl.models.fp8_layers.set_fp8_engine): on CPU (``emulate=True``) a whole rowwise RL step
+equals the emulated backend's metric for metric in FP32 compute (tests/trainer/test_loop.py). Power-of-two scales
+in TE are process-wide switches read when TE is imported
 (`te_recipe_env`).
 
 `gpu_environment_report` / `check_gpu_environment`: compute capability, CUDA, TE and torchao versions of
@@ -193,7 +194,8 @@ def torchao_fp8_matmul(x: Any, weight: Any, recipe: Fp8Recipe | str, emulate: bo
     ``gradient_accumulation_fusion`` off so that Megatron DDP's hook moves ``weight.grad`` into
     ``main_grad``; sequence parallelism would need the input all-gathered first, as the emulated path
     refuses it today). Verified where: on CPU with ``emulate=True`` against the emulator
-    (tests/models/test_te_backend.py); the real ``torch._scaled_mm`` path only in a GPU-marked test.
+    (tests/models/test_te_backend.py, and a whole RL step in tests/trainer/test_loop.py); the real
+    ``torch._scaled_mm`` path only in a GPU-marked test.
     """
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig

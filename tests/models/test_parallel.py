@@ -211,6 +211,6 @@ def test_preflight_refuses_a_paper_scale_rowwise_arm_that_cannot_fit_and_passes_
         "precision.mode": "fp8_full",
         "algo.prompts_per_step": 32,
     }
-    with pytest.raises(PreflightError, match="emulated FP8 backend materialises"):
+    with pytest.raises(PreflightError, match="torchao FP8 backends materialise"):
         run_layout(with_overrides(RunConfig(), {**base, "precision.recipe": "rowwise"}), 8)
     run_layout(with_overrides(RunConfig(), {**base, "precision.recipe": "tensorwise", "precision.backend": "te"}), 8)

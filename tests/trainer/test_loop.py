@@ -276,3 +276,23 @@ def test_the_engine_sleeps_from_the_end_of_the_rollout_to_the_weight_push(small_
     result = trainer.train_step(0)
     assert calls[-2:] == ["sleep", "sync_weights"] and set(calls[:-2]) == {"generate"}, calls
     assert "time/engine_sleep" in result.metrics
+
+
+@pytest.mark.parametrize(("recipe", "tolerance"), [("rowwise", 0.0), ("tensorwise", 1e-4)])
+def test_the_torchao_backend_takes_the_emulated_backends_first_step(small_cfg: RunConfig, recipe: str, tolerance):
+    """precision.backend=torchao computes every FP8 GEMM (rollout, old log-probs, both updates' forward and backward)
+    with torchao 0.18's float8 training (emulate=True on CPU). In FP32 compute a whole rowwise step equals the
+    emulator's metric for metric; tensorwise agrees to round-off (torchao multiplies by 448 / amax, the emulator
+    divides by amax / 448)."""
+    pytest.importorskip("torchao", reason="needs torchao (the bench extra)")
+    arm = {"precision.mode": "fp8_full", "precision.recipe": recipe, "precision.compute": "fp32", "trainer.steps": 1}
+    steps = {}
+    for backend in ("emulated", "torchao"):
+        trainer = build_trainer(with_overrides(small_cfg, {**arm, "precision.backend": backend}))
+        steps[backend] = {k: v for k, v in trainer.train_step(0).metrics.items() if not k.startswith("time/")}
+    emulated, torchao_step = steps["emulated"], steps["torchao"]
+    assert emulated.keys() == torchao_step.keys()
+    for key, value in emulated.items():
+        # tensorwise: relative, and absolute for differences of nearly equal numbers (actor/ppo_kl ~ 3e-4)
+        expected = pytest.approx(value, rel=tolerance, abs=tolerance / 100, nan_ok=True)
+        assert torchao_step[key] == expected, key
