@@ -10,9 +10,11 @@ recalibrates every 2 steps), 5 steps, seed 0, from a 200-step warm start, on a t
 large enough that rewards vary and PPO's clip fires in 5 steps; and the Calibrated Clipping arm on two gloo ranks
 (DP = 2, `torchrun`, one thread each: `DP_ARM`), which equals the one-process run only up to round-off and so has
 its own record. Everything is computed in FP32
-(`precision.compute` and the warm start), with 2 intra-op threads and the CPU kernels pinned (`KERNELS`) to the
-AVX2 code paths of ATen's vectorised kernels, torch.compile's C++ kernels, MKL and oneDNN, the ones every x86
-machine with AVX2 runs. So the comparison is exact. Without the pins the same seed drifts on another machine
+(`precision.compute` and the warm start), with 2 intra-op threads and the CPU kernels pinned (`KERNELS`): the
+AVX2 code paths of ATen's vectorised kernels, torch.compile's C++ kernels and oneDNN, and MKL's vendor-neutral
+COMPATIBLE branch, which Intel and AMD machines run alike. So the comparison is exact. (Until 2026-12-03 MKL was
+pinned to its AVX2 branch: that held across two Intel types, with and without AMX, but MKL ignores it on AMD
+EPYC, where the record then differed from the first warm-start evaluation on.) Without the pins the same seed drifts on another machine
 (measured on this one: with MKL capped to AVX2 and nothing else pinned, the 200-step warm start answers 34% of
 held-out sums instead of 22%, and sampled tokens differ from the first RL step). `--check-machine` records a
 second time on one core (the same 2 threads) and requires the same record bit for bit.
