@@ -13,6 +13,10 @@ Metrics, for each set S: ``eval/S/avg_at_k`` (Avg@k), ``eval/S/pass_at_k`` (Pass
 cannot hold "@"), ``eval/S/garbled_rate``, ``eval/S/response_len``, ``eval/S/entropy``; over the sets:
 ``eval/accuracy`` (the mean of the sets' Avg@k: the headline number), ``eval/garbled_rate``,
 ``eval/response_len``, ``eval/entropy``. In BF16 the same keys under ``eval/bf16/``.
+
+Sample generations: after `run`, ``samples`` holds the first ``SAMPLES_PER_SET`` (problem, sample) rows of every
+set, in each precision (prompt, reference answer, decoded response, reward, why it is garbled if it is), as the
+first data-parallel rank generated them; the fit loop logs them (garbled output is one of the paper's symptoms).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from fp8rl.tasks.base import Problem, Task
 
 EVAL_SEED = 20_240_611  # base of the fixed per-(problem, sample) sampling seeds
 ROWS_PER_CALL = 512  # prompts per generate call
+SAMPLES_PER_SET = 8  # generations kept per evaluation set and precision (`Evaluator.samples`)
 
 
 class Evaluator:
@@ -52,9 +57,11 @@ class Evaluator:
         else:
             self.sampling = dataclasses.replace(sampling, temperature=cfg.temperature, top_p=cfg.top_p)
         self.bf16_engine = BuiltinEngine(policy, None, sampling.pad_token_id, compute="bf16") if cfg.bf16 else None
+        self.samples: list[dict[str, object]] = []  # of the last `run` (module docstring)
 
     def run(self) -> dict[str, float]:
         """All evaluation metrics (in the rollout engine's precision, and in BF16 when asked)."""
+        self.samples = []
         metrics = self._evaluate(self.engine, "eval/")
         if self.bf16_engine is not None:
             metrics.update(self._evaluate(self.bf16_engine, "eval/bf16/"))
@@ -62,7 +69,7 @@ class Evaluator:
 
     def _evaluate(self, engine: RolloutEngine, prefix: str) -> dict[str, float]:
         sets = self.task.eval_sets.items()
-        per_set = {name: self._evaluate_set(engine, problems[: self.cfg.size]) for name, problems in sets}
+        per_set = {name: self._evaluate_set(engine, problems[: self.cfg.size], name, prefix) for name, problems in sets}
         k = self.cfg.samples
         out = {f"{prefix}{name}/{key}": value for name, values in per_set.items() for key, value in values.items()}
         out[f"{prefix}accuracy"] = statistics.fmean(v[f"avg_at_{k}"] for v in per_set.values())
@@ -70,7 +77,7 @@ class Evaluator:
             out[f"{prefix}{key}"] = statistics.fmean(v[key] for v in per_set.values())
         return out
 
-    def _evaluate_set(self, engine: RolloutEngine, problems: list[Problem]) -> dict[str, float]:
+    def _evaluate_set(self, engine: RolloutEngine, problems: list[Problem], name: str, prefix: str) -> dict[str, float]:
         k = self.cfg.samples
         rows = [p for p in problems for _ in range(k)]
         dims = self.dims
@@ -84,6 +91,10 @@ class Evaluator:
             responses = batch.responses()
             rewards += self.task.rewards(chunk, responses)
             garbled += [float(self.task.garble_reason(r) is not None) for r in responses]
+            if start < SAMPLES_PER_SET:  # the set's first rows are the first data-parallel rank's
+                self._keep_samples(
+                    chunk[: SAMPLES_PER_SET - start], responses, rewards[start - mine.start :], name, prefix
+                )
             mask = batch.response_mask
             lengths += mask.sum(1).tolist()
             entropy_sum += float((batch.rollout_entropy * mask).sum())
@@ -98,3 +109,18 @@ class Evaluator:
             "response_len": float(gather(torch.tensor(lengths, dtype=torch.float64)).mean()),
             "entropy": float(entropy_and_tokens[0] / entropy_and_tokens[1].clamp(min=1)),
         }
+
+    def _keep_samples(self, problems, responses, rewards, set_name: str, prefix: str) -> None:
+        for problem, response, reward in zip(problems, responses, rewards, strict=False):
+            reason = self.task.garble_reason(response)
+            self.samples.append(
+                {
+                    "precision": "bf16" if prefix.startswith("eval/bf16") else "rollout",
+                    "set": set_name,
+                    "prompt": problem.prompt,
+                    "answer": problem.answer,
+                    "response": self.task.tokenizer.decode(list(response)),
+                    "reward": float(reward),
+                    "garbled": reason or "",
+                }
+            )

@@ -69,6 +69,7 @@ def fit(
     rank, world_size = _rank_and_world()
     if _same_on_every_rank(trainer.step == 0 and tracker.last_logged_step() < 0):
         evaluation = trainer.dims.mean_of_floats(trainer.evaluate())
+        _log_samples(tracker, out_dir, trainer.evaluator.samples, 0, rank)
         log_started = time.perf_counter()
         _log(tracker, summary, evaluation, 0)
         log_seconds = time.perf_counter() - log_started
@@ -85,6 +86,7 @@ def fit(
             trainer.bad_steps_in_a_row = 0 if result.good else trainer.bad_steps_in_a_row + 1
             if _eval_due(cfg, trainer.step):
                 result.metrics.update(trainer.evaluate())
+                _log_samples(tracker, out_dir, trainer.evaluator.samples, trainer.step, rank)
             metrics = trainer.dims.mean_of_floats(result.metrics)
             log_started = time.perf_counter()
             _log(tracker, summary, metrics, trainer.step)
@@ -153,6 +155,29 @@ def _same_on_every_rank(decision: bool) -> bool:
     box = [decision]
     dist.broadcast_object_list(box, src=0)
     return bool(box[0])
+
+
+SAMPLES_SHOWN = 3  # generations per evaluation in the log (all of them are in the artifact)
+
+
+def _log_samples(tracker: Tracker, out_dir: str, samples: list[dict[str, Any]], step: int, rank: int) -> None:
+    """An evaluation's sample generations (`Evaluator.samples`): a table artifact ``samples/step_NNNNNN.json``
+    (pandas' "split" layout, as ``mlflow.log_table`` writes) and a few in the log, garbled ones flagged."""
+    if rank != 0 or not samples:
+        return
+    import pandas as pd
+
+    path = Path(out_dir) / "samples" / f"step_{step:06d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(samples).to_json(path, orient="split", index=False)
+    tracker.log_artifact(path, "samples")
+    shown = [_sample_text(sample) for sample in samples[:SAMPLES_SHOWN]]
+    log.info("step %d samples (all in %s): %s", step, path.relative_to(Path(out_dir)), " | ".join(shown))
+
+
+def _sample_text(sample: dict[str, Any]) -> str:
+    verdict = f"garbled: {sample['garbled']}" if sample["garbled"] else ("right" if sample["reward"] > 0 else "wrong")
+    return f"{sample['prompt']!r} -> {sample['response']!r} ({verdict}, answer {sample['answer']!r})"
 
 
 def _log_histograms(tracker: Tracker, result: StepResult) -> None:

@@ -14,10 +14,10 @@ its own record. Everything is computed in FP32
 AVX2 code paths of ATen's vectorised kernels, torch.compile's C++ kernels and oneDNN, and MKL's vendor-neutral
 COMPATIBLE branch, which Intel and AMD machines run alike. So the comparison is exact. (Until 2026-12-03 MKL was
 pinned to its AVX2 branch: that held across two Intel types, with and without AMX, but MKL ignores it on AMD
-EPYC, where the record then differed from the first warm-start evaluation on.) Without the pins the same seed drifts on another machine
-(measured on this one: with MKL capped to AVX2 and nothing else pinned, the 200-step warm start answers 34% of
-held-out sums instead of 22%, and sampled tokens differ from the first RL step). `--check-machine` records a
-second time on one core (the same 2 threads) and requires the same record bit for bit.
+EPYC, where the record then differed from the first warm-start evaluation on.) Without the pins the same seed
+drifts on another machine (measured on an Intel one: with MKL capped to AVX2 and nothing else pinned, the 200-step
+warm start answers 34% of held-out sums instead of 22%, and sampled tokens differ from the first RL step).
+`--check-machine` records a second time on one core (the same 2 threads) and requires the same record bit for bit.
 
     python -m tests.golden.record [--out tests/golden/steps.json] [--check-machine]
 """

@@ -23,3 +23,35 @@ def test_a_calibration_step_says_which_rule_fired() -> None:
 
 def test_a_rolled_back_step_says_so() -> None:
     assert "NON-FINITE: rolled back" in step_line(2, 40, {**STEP, "train/skipped": 1.0}, 1.0)
+
+
+def test_every_evaluation_logs_its_sample_generations_as_a_table(small_cfg, caplog) -> None:
+    """No run showed a single generation, though garbled output is one of the paper's symptoms."""
+    import logging
+    from pathlib import Path
+
+    import pandas as pd
+
+    from fp8rl.config import with_overrides
+    from fp8rl.job import run_job
+    from fp8rl.tracking import NullTracker
+
+    class Artifacts(NullTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.artifacts: list[tuple[str, str | None]] = []
+
+        def log_artifact(self, path, artifact_path=None) -> None:
+            self.artifacts.append((str(path), artifact_path))
+
+    tracker = Artifacts()
+    cfg = with_overrides(small_cfg, {"eval.every": 2, "eval.bf16": True})
+    with caplog.at_level(logging.INFO, logger="fp8rl.train"):
+        run_job(cfg, tracker=tracker)
+    tables = [Path(path) for path, folder in tracker.artifacts if folder == "samples"]
+    assert [t.name for t in tables] == ["step_000000.json", "step_000002.json"]
+    samples = pd.read_json(tables[-1], orient="split")
+    assert list(samples.columns) == ["precision", "set", "prompt", "answer", "response", "reward", "garbled"]
+    assert sorted(set(samples["precision"])) == ["bf16", "rollout"] and len(samples) == 2 * 8
+    assert samples["prompt"].str.endswith("=").all() and samples["reward"].between(0, 1).all()
+    assert any("step 2 samples" in record.getMessage() and "->" in record.getMessage() for record in caplog.records)
