@@ -31,7 +31,7 @@ REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):.*## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-18s %s\n", $$1, $$2}'
 
-.PHONY: help setup golden test test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
+.PHONY: help setup golden test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
 
 setup: $(STAMP)  ## the venv with torch (CPU) and fp8rl[dev,bench]; every target runs it (idempotent)
 
@@ -43,15 +43,18 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.stamp-*
 	@touch $@
 
-test: setup  ## the tests, without the multi-rank and integration lanes
-	$(PY) -m pytest -q -m "not integration and not distributed" $(PYTEST_ARGS) tests
+test: setup  ## the tests, without the multi-rank, long and integration lanes
+	$(PY) -m pytest -q -m "not integration and not distributed and not long" --durations=15 $(PYTEST_ARGS) tests
+
+test-long: setup  ## the end-to-end learning checks of minutes (part of the integration lane)
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS) tests
 
 # Multi-rank jobs (torchrun, gloo): DP, TP, PP and TP x DP steps against one process, resume of a 2-rank job.
 test-distributed: setup  ## the multi-rank lane (torchrun on gloo)
 	$(PY) -m pytest -q -m distributed $(PYTEST_ARGS) tests/distributed
 
 test-fast: setup  ## the tests without the slow ones
-	$(PY) -m pytest -q -m "not integration and not slow and not distributed" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not integration and not slow and not distributed and not long" $(PYTEST_ARGS) tests
 
 lint: setup  ## ruff, and the generated docs tables up to date
 	$(PY) -m ruff check fp8rl tests benchmarks
@@ -199,7 +202,7 @@ slurm-purge:  ## stop it and remove its state
 # FP8RL_REQUIRE_VLLM=1 turns a skipped vLLM test into a failure. INTEGRATION_PATHS widens the
 # Slurm/MLflow part: local cluster tests and the 4-run sweep on Slurm with an MLflow server.
 INTEGRATION_PATHS ?= tests/slurm tests/launch
-test-integration: setup slurm-up setup-vllm  ## the integration lane: local Slurm and vLLM
+test-integration: setup slurm-up setup-vllm test-long  ## the integration lane: local Slurm, vLLM, the long checks
 	$(PY) -m pytest -q -m integration $(PYTEST_ARGS) $(INTEGRATION_PATHS)
 	FP8RL_REQUIRE_VLLM=1 $(PY_VLLM) -m pytest -q $(PYTEST_ARGS) tests/rollout tests/models/test_hf.py
 

@@ -172,6 +172,7 @@ TIME = {
     "time/update": "seconds of the mini-batch updates (without the shadow and the weight push)",
     "time/shadow": "seconds of the BF16 shadow forwards (shadow and calibration steps)",
     "time/weight_push": "seconds to load the new weights into the rollout engine",
+    "time/engine_sleep": "seconds the rollout engine took to free its GPU share before training (0 when it has none)",
     "time/tracking_log": "seconds the previous step's metric logging blocked the loop",
     "launch/submit_to_first_step_s": "seconds from the job's submission to its first step (launched jobs)",
 }

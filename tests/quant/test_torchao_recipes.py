@@ -116,9 +116,11 @@ def torchao_tensorwise_codes(t: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def test_tensorwise_equals_torchaos_tensorwise_recipe_up_to_the_scale_convention() -> None:
-    """Codes: the same but for elements within a rounding of a tie. GEMMs: within one BF16 ulp (the dequantization
-    scales differ in their last float32 bit: 1 / fl(448 / amax) against fl(amax / 448)). With E4M3 gradients (the
-    preset before) dgrad and wgrad are ~6% off instead."""
+    """Codes: the same but for elements within a rounding of a tie. GEMMs: ~26% of elements one BF16 ulp apart (the
+    dequantization scales differ in their last float32 bit: 1 / fl(448 / amax) against fl(amax / 448)); beyond one
+    ulp at most 1 in 10^4 elements, by at most 4 (the emulator's BF16 GEMM accumulates in the CPU's own order: on
+    Intel AVX-512 every element was within 1 ulp, on an AMD EPYC one element of dx was 3 ulps off). With E4M3
+    gradients (the preset before) dgrad and wgrad are ~6% off instead."""
     x, w, dy = operands()
     recipe = get_recipe("tensorwise")
     for t, fmt in ((x, recipe.forward_format), (w, recipe.forward_format), (dy, recipe.backward_format)):
@@ -128,7 +130,8 @@ def test_tensorwise_equals_torchaos_tensorwise_recipe_up_to_the_scale_convention
         assert float((ours != theirs).float().mean()) < 1e-3, fmt
     ours, theirs = emulator_linear(x, w, dy, "tensorwise"), torchao_linear(x, w, dy, "tensorwise")
     for name, a, b in zip(("y", "dx", "dW"), ours, theirs, strict=True):
-        assert float(bf16_ulps(a, b).max()) <= 1, name
+        ulps = bf16_ulps(a, b)
+        assert float(ulps.max()) <= 4 and float((ulps > 1).float().mean()) <= 1e-4, name
     old = get_recipe("tensorwise", fmt="e4m3")
     xb, wb = (t.to(torch.bfloat16).requires_grad_() for t in (x, w))
     fp8_linear(xb, wb, None, old).backward(dy.to(torch.bfloat16))

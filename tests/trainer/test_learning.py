@@ -152,7 +152,7 @@ def grpo_gain(cfg: RunConfig, steps: int = RL_STEPS, averaged: int = AVERAGED_ST
     }
 
 
-@pytest.mark.slow
+@pytest.mark.long  # minutes (its own warm start): the integration lane, `make test-long`
 @pytest.mark.timeout(1500)
 def test_reward_rises_over_a_short_bf16_run(learning_cfg: RunConfig) -> None:
     r = grpo_gain(learning_cfg)
