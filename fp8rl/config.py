@@ -153,7 +153,13 @@ class PrecisionConfig:
         "emulated (fp8rl.quant, any device), te (Transformer Engine, GPU) or torchao (its float8 training GEMMs: "
         "tensorwise and rowwise; real FP8 on a GPU, torchao's emulation on CPU)",
     )
-    fp8_kv_cache: bool = option(False, "FP8 (E4M3, unit-scale) KV cache in the rollout")
+    fp8_kv_cache: bool = option(False, "FP8 (E4M3) KV cache in the rollout")
+    kv_cache_scales: str = option(
+        "unit",
+        "FP8 KV cache scales: unit (vLLM's default) or calibrated (per layer, amax / 448 of the previous step's "
+        "keys and values, as NeMo-RL recalibrates them; built-in engine)",
+        neutral=("unit",),
+    )
     amax_reduction: str = option(
         "te",
         "emulated tensorwise FP8 under TP: te (as Transformer Engine: current scaling reduces nothing without "
@@ -168,6 +174,7 @@ class PrecisionConfig:
         _one_of(self.mode, PRECISION_MODES, "precision.mode")
         _one_of(self.backend, FP8_BACKENDS, "precision.backend")
         _one_of(self.compute, ("bf16", "fp32"), "precision.compute")
+        _one_of(self.kv_cache_scales, ("unit", "calibrated"), "precision.kv_cache_scales")
         _require(
             self.scaling == "current" or self.recipe == "tensorwise",
             "precision.scaling=delayed exists only for precision.recipe=tensorwise",
@@ -518,6 +525,11 @@ def check_combinations(cfg: RunConfig) -> None:
         cfg.model.device == "cuda" or p.backend != "te",
         "precision.backend=te (Transformer Engine) runs on a CUDA GPU: set model.device=cuda, or use "
         "precision.backend=emulated on CPU",
+    )
+    _require(
+        not (p.fp8_kv_cache and p.kv_cache_scales == "calibrated" and cfg.rollout.engine == "vllm"),
+        "precision.kv_cache_scales=calibrated is the built-in engine's (vLLM takes k_scale / v_scale from the "
+        "checkpoint, which fp8rl does not write yet): use rollout.engine=builtin, or precision.kv_cache_scales=unit",
     )
     _require(
         p.backend != "torchao" or p.amax_reduction == "te",

@@ -216,3 +216,11 @@ def test_the_torchao_backend_runs_its_own_recipes_only() -> None:
         validated(with_overrides(RunConfig(), {**fp8, "precision.recipe": "blockwise", "precision.backend": "torchao"}))
     with pytest.raises(ConfigError, match="torchao scales each rank's shard itself"):
         with_overrides(RunConfig(), {**fp8, "precision.backend": "torchao", "precision.amax_reduction": "tp_invariant"})
+
+
+def test_calibrated_kv_cache_scales_are_refused_on_vllm_until_it_gets_them() -> None:
+    kv = {"precision.mode": "fp8_full", "precision.fp8_kv_cache": True, "precision.kv_cache_scales": "calibrated"}
+    with pytest.raises(ConfigError, match="kv_cache_scales=calibrated is the built-in engine's"):
+        with_overrides(RunConfig(), {**kv, "rollout.engine": "vllm"})
+    with pytest.raises(ConfigError, match="precision.kv_cache_scales='per_head' is not valid"):
+        with_overrides(RunConfig(), {**kv, "precision.kv_cache_scales": "per_head"})

@@ -188,8 +188,10 @@ def build_engine(cfg: RunConfig, policy: Policy, model_cfg: ModelConfig, task: T
     if cfg.rollout.engine == "builtin":
         from fp8rl.rollout.builtin import BuiltinEngine
 
-        pad_id, kv_cache = task.tokenizer.pad_id, cfg.precision.fp8_kv_cache
-        return BuiltinEngine(policy, plan.rollout_recipe, pad_id, compute=plan.compute, fp8_kv_cache=kv_cache)
+        pad_id, kv_cache, kv_scales = task.tokenizer.pad_id, cfg.precision.fp8_kv_cache, cfg.precision.kv_cache_scales
+        return BuiltinEngine(
+            policy, plan.rollout_recipe, pad_id, compute=plan.compute, fp8_kv_cache=kv_cache, kv_cache_scales=kv_scales
+        )
     from fp8rl.rollout.vllm_engine import VllmEngine
 
     return VllmEngine(

@@ -42,6 +42,7 @@ class ParallelDims:
     dp_rank: int = 0
     plan: ParallelLayout = field(default=ONE_PROCESS)
     dp_group: Any = None  # None: one process, or the default group (tests of DP alone)
+    tp_group: Any = None  # None: TP = 1
 
     @classmethod
     def current(cls, plan: ParallelLayout | None = None) -> ParallelDims:
@@ -65,6 +66,7 @@ class ParallelDims:
             dp_rank=ps.get_data_parallel_rank(),
             plan=plan,
             dp_group=ps.get_data_parallel_group() if sizes[2] > 1 else None,
+            tp_group=ps.get_tensor_model_parallel_group() if sizes[0] > 1 else None,
         )
 
     @property
@@ -129,6 +131,14 @@ class ParallelDims:
             return [value]
         out: list[Any] = [None] * self.dp
         dist.all_gather_object(out, value, group=self.dp_group)
+        return out
+
+    def max_over_model_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The max over the data-parallel ranks and this rank's tensor-parallel group (a layer's heads are split
+        over TP): a statistic of every copy and shard of the model, the same on every rank."""
+        out = self.max(tensor)
+        if self.tp > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.tp_group)
         return out
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:

@@ -7,6 +7,13 @@ rounded to E4M3 (scale 1, saturated at +-448) and stored in the compute dtype: t
 storing the FP8 codes and converting them on read. Attention then reads only rounded entries, in the
 prefill as in every decode step.
 
+Scales (``precision.kv_cache_scales``): "unit" is vLLM's default (scale 1, as above); "calibrated" gives each
+layer its own key and value scale, amax / 448, as NeMo-RL recalibrates Q/K/V scales every step: the trainer
+records every layer's key and value amax over the real (unmasked) tokens of its old-log-prob pass over the
+step's rollout (`recording_kv_amax`, reduced over data- and tensor-parallel ranks so the scales do not depend on
+the layout), and the next rollout's cache uses them (`fp8_kv_cache(model, scales=...)`). The first rollout of a
+run, before any pass has been recorded, runs unit scales.
+
 One difference from vLLM, by construction of megatron's static context: it caches keys *before*
 rotary embedding (the cached keys are rotated when read), vLLM caches them after. Here the rounding
 therefore applies to pre-rotation keys, so the keys' rounding errors differ element by element from
@@ -28,27 +35,82 @@ KV_CACHE_FORMAT = "e4m3"
 KV_CACHE_SCALE = 1.0  # vLLM's default k_scale / v_scale
 
 
-def round_to_kv_cache(t: torch.Tensor) -> torch.Tensor:
-    """``t`` rounded to E4M3 with scale 1 (saturating), in t's dtype."""
-    unit_scale_amax = torch.tensor(448.0 * KV_CACHE_SCALE)  # amax / 448 = the scale
-    return fake_quantize(t, KV_CACHE_FORMAT, "tensor", amax=unit_scale_amax)
+KV_SCALE_POLICIES = ("unit", "calibrated")
+E4M3_MAX = 448.0
+KvScales = dict[int, tuple[float, float]]  # megatron layer_number -> (key scale, value scale)
 
 
-def _rounding_cache_writes(original, inference_context, query, key, value, *args, **kwargs):
+def round_to_kv_cache(t: torch.Tensor, scale: float = KV_CACHE_SCALE) -> torch.Tensor:
+    """``t`` rounded to E4M3 with `scale` (saturating at +-448 x scale), in t's dtype."""
+    return fake_quantize(t, KV_CACHE_FORMAT, "tensor", amax=torch.tensor(E4M3_MAX * scale))  # amax / 448 = scale
+
+
+def _rounding_cache_writes(original, scales, inference_context, query, key, value, *args, **kwargs):
     if inference_context is not None:
-        key, value = round_to_kv_cache(key), round_to_kv_cache(value)
+        key, value = round_to_kv_cache(key, scales[0]), round_to_kv_cache(value, scales[1])
     return original(inference_context, query, key, value, *args, **kwargs)
 
 
+def _attentions(model: torch.nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
 @contextlib.contextmanager
-def fp8_kv_cache(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Round every key/value written to the model's inference KV cache to E4M3 inside the block."""
-    attentions = [m for m in model.modules() if isinstance(m, Attention)] if enabled else []
+def fp8_kv_cache(model: torch.nn.Module, enabled: bool = True, scales: KvScales | None = None) -> Iterator[None]:
+    """Round every key/value written to the model's inference KV cache to E4M3 inside the block, with each layer's
+    `scales` (a layer without one, or None: unit scales)."""
+    attentions = _attentions(model) if enabled else []
+    unit = (KV_CACHE_SCALE, KV_CACHE_SCALE)
     for attention in attentions:
         original = attention._adjust_key_value_for_inference
-        attention._adjust_key_value_for_inference = functools.partial(_rounding_cache_writes, original)
+        layer_scales = (scales or {}).get(attention.layer_number, unit)
+        attention._adjust_key_value_for_inference = functools.partial(_rounding_cache_writes, original, layer_scales)
     try:
         yield
     finally:
         for attention in attentions:
             del attention._adjust_key_value_for_inference  # the class's method again
+
+
+def _recording_writes(original, record, inference_context, query, key, value, *args, **kwargs):
+    if inference_context is None:  # a training forward: [s, b, groups, head dim], the keys before rotary
+        record.append((key.detach().abs().amax(dim=(2, 3)), value.detach().abs().amax(dim=(2, 3))))
+    return original(inference_context, query, key, value, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording_kv_amax(model: torch.nn.Module) -> Iterator[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Inside the block, every training forward of `model` records each layer's per-position key and value amax
+    ([s, b] per forward, in call order: micro-batches stack along b); `kv_amax` reduces them."""
+    records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    attentions = _attentions(model)
+    for attention in attentions:
+        original = attention._adjust_key_value_for_inference
+        record = records.setdefault(attention.layer_number, [])
+        attention._adjust_key_value_for_inference = functools.partial(_recording_writes, original, record)
+    try:
+        yield records
+    finally:
+        for attention in attentions:
+            del attention._adjust_key_value_for_inference
+
+
+def kv_amax(records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], attention_mask: torch.Tensor) -> torch.Tensor:
+    """(layers, 2) key and value amax of each recorded layer (in layer_number order) over the tokens where
+    `attention_mask` (b, s) is 1: padding positions are left out."""
+    mask = attention_mask.t().bool()  # [s, b], as the records
+    rows = []
+    for layer in sorted(records):
+        keys = torch.cat([k for k, _ in records[layer]], dim=1)
+        values = torch.cat([v for _, v in records[layer]], dim=1)
+        rows.append(torch.stack([keys[mask].max(), values[mask].max()]).float())
+    return torch.stack(rows) if rows else torch.zeros(0, 2)
+
+
+def kv_scales_from_amax(layers: list[int], amax: torch.Tensor) -> KvScales:
+    """Each layer's (key, value) scale amax / 448 (unit where an amax is 0 or not finite)."""
+
+    def scale(value: float) -> float:
+        return value / E4M3_MAX if 0 < value < float("inf") else KV_CACHE_SCALE
+
+    return {layer: (scale(float(k)), scale(float(v))) for layer, (k, v) in zip(layers, amax.tolist(), strict=True)}

@@ -14,7 +14,7 @@ import torch
 from fp8rl.models.autocast import fp8_recipe_block
 from fp8rl.models.dims import ParallelDims
 from fp8rl.models.gpt import compute_precision
-from fp8rl.models.kv_cache import fp8_kv_cache
+from fp8rl.models.kv_cache import KV_SCALE_POLICIES, KvScales, fp8_kv_cache
 from fp8rl.models.logprobs import left_pad
 from fp8rl.models.policy import Policy
 from fp8rl.models.sampling import SamplingConfig
@@ -28,7 +28,13 @@ class BuiltinEngine:
     name = "builtin"
 
     def __init__(
-        self, policy: Policy | torch.nn.Module, recipe, pad_id: int, compute: str = "bf16", fp8_kv_cache: bool = False
+        self,
+        policy: Policy | torch.nn.Module,
+        recipe,
+        pad_id: int,
+        compute: str = "bf16",
+        fp8_kv_cache: bool = False,
+        kv_cache_scales: str = "unit",
     ) -> None:
         self.policy = policy if isinstance(policy, Policy) else Policy(policy, None, ParallelDims.current())
         self.model = self.policy.module
@@ -36,6 +42,14 @@ class BuiltinEngine:
         self.pad_id = pad_id
         self.compute = compute
         self.fp8_kv_cache = fp8_kv_cache
+        if kv_cache_scales not in KV_SCALE_POLICIES:
+            raise ValueError(f"kv_cache_scales={kv_cache_scales!r}; valid: {list(KV_SCALE_POLICIES)}")
+        self.calibrates_kv_cache = fp8_kv_cache and kv_cache_scales == "calibrated"
+        self.kv_scales: KvScales = {}  # set by the trainer after each step (calibrated scales), unit until then
+
+    def set_kv_scales(self, scales: KvScales) -> None:
+        """The FP8 KV cache's per-layer (key, value) scales for the next rollouts (`fp8rl.models.kv_cache`)."""
+        self.kv_scales = dict(scales)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: Sequence[int] | None) -> RolloutBatch:
         device = _device_of(self.model)
@@ -44,7 +58,7 @@ class BuiltinEngine:
             torch.no_grad(),
             compute_precision(self.compute),
             fp8_recipe_block(self.model, self.recipe),
-            fp8_kv_cache(self.model, self.fp8_kv_cache),
+            fp8_kv_cache(self.model, self.fp8_kv_cache, self.kv_scales if self.calibrates_kv_cache else None),
         ):
             out = self.policy.generate(prompt_ids, prompt_mask, sampling, seeds)
         return RolloutBatch(

@@ -20,6 +20,7 @@ from fp8rl import algos
 from fp8rl.config import RunConfig
 from fp8rl.models.dims import SINGLE, ParallelDims
 from fp8rl.models.gpt import fp8_switchable_linears
+from fp8rl.models.kv_cache import kv_amax, kv_scales_from_amax, recording_kv_amax
 from fp8rl.models.policy import Policy, unwrapped
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.quant import DelayedScalingState
@@ -102,6 +103,17 @@ class RLTrainer:
                 micro_batch_size=self.parts.micro_batch_size,
             )
 
+    def _old_logprobs(self, rollout: RolloutBatch) -> torch.Tensor:
+        """The old policy's log-probs of the rollout; an engine with a calibrated FP8 KV cache gets its next scales
+        from this pass's keys and values (`fp8rl.models.kv_cache`)."""
+        if not getattr(self.engine, "calibrates_kv_cache", False):
+            return self.logprobs(rollout, self.plan.train_recipe)[0]
+        with recording_kv_amax(self.model) as records:
+            old_logp, _ = self.logprobs(rollout, self.plan.train_recipe)
+        amax = self.dims.max_over_model_replicas(kv_amax(records, rollout.attention_mask))
+        self.engine.set_kv_scales(kv_scales_from_amax(sorted(records), amax))
+        return old_logp
+
     def wants_shadow(self, step: int) -> bool:
         """BF16 shadow passes of fp8_full runs: on the steps the clip policy needs (calibration steps, and the
         steps that fill its calibration pool), and on diagnostic steps (every trainer.shadow_every)."""
@@ -124,7 +136,7 @@ class RLTrainer:
         timings["time/engine_sleep"] = self.engine.sleep()  # a colocated vLLM frees its share; sync_weights wakes it
 
         t = time.perf_counter()
-        old_logp, _ = self.logprobs(data.rollout, self.plan.train_recipe, grad=False)
+        old_logp = self._old_logprobs(data.rollout)
         timings["time/old_logp"] = time.perf_counter() - t
         shadow = ShadowComparison(self.logprobs, self.cfg.algo, self.dims) if self.wants_shadow(step) else None
         if shadow is not None:
@@ -305,6 +317,7 @@ class RLTrainer:
             "bad_steps_in_a_row": self.bad_steps_in_a_row,
             "torch_rng": torch.get_rng_state(),
             "fp8_delayed_scaling": self._delayed_scaling_states(),
+            "kv_cache_scales": dict(getattr(self.engine, "kv_scales", {})),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -318,6 +331,8 @@ class RLTrainer:
         self.bad_steps_in_a_row = int(state["bad_steps_in_a_row"])
         torch.set_rng_state(state["torch_rng"])
         self._load_delayed_scaling_states(state.get("fp8_delayed_scaling", []))
+        if state.get("kv_cache_scales") and hasattr(self.engine, "set_kv_scales"):
+            self.engine.set_kv_scales(state["kv_cache_scales"])
         self.engine.sync_weights(self.policy)
 
     def _delayed_scaling_states(self) -> list[dict | None]:

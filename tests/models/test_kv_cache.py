@@ -5,7 +5,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 
 from fp8rl.models.generate import SamplingConfig, generate
 from fp8rl.models.gpt import compute_precision
-from fp8rl.models.kv_cache import fp8_kv_cache, round_to_kv_cache
+from fp8rl.models.kv_cache import fp8_kv_cache, kv_amax, kv_scales_from_amax, recording_kv_amax, round_to_kv_cache
 from fp8rl.models.logprobs import causal_padding_mask, left_pad
 
 EOS, PAD = 2, 0
@@ -62,3 +62,40 @@ def test_generation_with_an_fp8_kv_cache_stays_close_to_the_bf16_cache(tiny_mode
     diff = (outs[True].logprobs[:, 0] - outs[False].logprobs[:, 0])[first]
     assert torch.equal(outs[True].tokens[:, 0], outs[False].tokens[:, 0])  # same seed, nearly the same logits
     assert 0 < float(diff.abs().max()) < 0.1  # the cache's rounding changes log-probs, a little
+
+
+def test_a_calibrated_scale_keeps_small_keys_that_unit_scales_flush():
+    """Unit scales put keys of magnitude ~1e-3 among E4M3's subnormals (2^-9 steps); amax / 448 keeps 3 bits."""
+    t = torch.linspace(-1e-3, 1e-3, 257)
+    unit = (round_to_kv_cache(t) - t).abs().max()
+    calibrated = (round_to_kv_cache(t, float(t.abs().max()) / 448) - t).abs().max()
+    assert calibrated < unit / 20
+
+
+def test_calibrated_scales_are_each_layers_amax_over_real_tokens_only(tiny_model):
+    """The trainer's old-log-prob pass records every layer's keys and values; padding positions are left out."""
+    prompt_ids, prompt_mask = left_pad(PROMPTS, pad_id=PAD)
+    with torch.no_grad(), recording_kv_amax(tiny_model) as records:
+        tiny_model(prompt_ids, None, causal_padding_mask(prompt_mask))
+    layers = sorted(records)
+    assert len(layers) == tiny_model.config.num_layers
+    amax = kv_amax(records, prompt_mask)
+    keys_per_position = records[layers[0]][0][0]  # [s, b]
+    assert float(amax[0, 0]) == float(keys_per_position[prompt_mask.t().bool()].max())
+    everywhere = kv_amax(records, torch.ones_like(prompt_mask))
+    assert (everywhere >= amax).all()
+    scales = kv_scales_from_amax(layers, amax)
+    assert scales[layers[0]] == (float(amax[0, 0]) / 448, float(amax[0, 1]) / 448)
+    assert kv_scales_from_amax([1], torch.tensor([[0.0, float("inf")]])) == {1: (1.0, 1.0)}
+    cache = prefill_cache_with(tiny_model, scales)
+    key = cache[layers[0]][0].float()
+    assert key.abs().max() <= 448 * scales[layers[0]][0] + 1e-6  # saturated at the calibrated range
+
+
+def prefill_cache_with(model, scales) -> dict:
+    prompt_ids, prompt_mask = left_pad(PROMPTS, pad_id=PAD)
+    ctx = StaticInferenceContext(max_batch_size=3, max_sequence_length=prompt_ids.size(1))
+    model.eval()
+    with torch.no_grad(), compute_precision("bf16"), fp8_kv_cache(model, True, scales):
+        model(prompt_ids, None, causal_padding_mask(prompt_mask), inference_context=ctx, runtime_gather_output=True)
+    return ctx.key_value_memory_dict

@@ -296,3 +296,21 @@ def test_the_torchao_backend_takes_the_emulated_backends_first_step(small_cfg: R
         # tensorwise: relative, and absolute for differences of nearly equal numbers (actor/ppo_kl ~ 3e-4)
         expected = pytest.approx(value, rel=tolerance, abs=tolerance / 100, nan_ok=True)
         assert torchao_step[key] == expected, key
+
+
+def test_a_calibrated_fp8_kv_cache_takes_each_steps_scales_and_keeps_them_across_a_resume(small_cfg: RunConfig):
+    """Unit scales were the only FP8 KV cache (NeMo-RL filed that as a bug): the scales now follow the keys and
+    values of each step's old-log-prob pass, per layer, and a checkpoint carries them."""
+    arm = {"precision.mode": "fp8_full", "precision.fp8_kv_cache": True, "precision.kv_cache_scales": "calibrated"}
+    trainer = build_trainer(with_overrides(small_cfg, arm))
+    assert trainer.engine.calibrates_kv_cache and trainer.engine.kv_scales == {}  # the first rollout: unit scales
+    trainer.train_step(0)
+    scales = trainer.engine.kv_scales
+    assert sorted(scales) == list(range(1, trainer.model.config.num_layers + 1))
+    assert all(0 < k < 1 and 0 < v < 1 for k, v in scales.values())  # the tiny model's keys and values: amax < 448
+    state = trainer.state_dict()
+    fresh = build_trainer(with_overrides(small_cfg, arm))
+    fresh.load_state_dict(state)
+    assert fresh.engine.kv_scales == scales
+    unit = build_trainer(with_overrides(small_cfg, {**arm, "precision.kv_cache_scales": "unit"}))
+    assert not unit.engine.calibrates_kv_cache
