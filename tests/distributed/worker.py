@@ -64,7 +64,7 @@ def first_step(out: Path, overrides: list[str]) -> None:
     # Advantages from a fixed generator, the same for every layout: a tiny policy after a short warm start gets
     # every group's answers equally right or wrong, and zero advantages would test no update at all.
     rows = cfg.algo.prompts_per_step * cfg.algo.group_size
-    data.adv = torch.randn(rows, generator=torch.Generator().manual_seed(7))[trainer.dp.share(rows)]
+    data.adv = torch.randn(rows, generator=torch.Generator().manual_seed(7))[trainer.dims.share(rows)]
     trainer.sampler.collect = lambda step: data  # the step trains on exactly these rollouts
     clip_state = trainer.clip_policy.state_dict()
     if "next_step" in clip_state:  # Calibrated Clipping: calibrate on this step
@@ -75,7 +75,7 @@ def first_step(out: Path, overrides: list[str]) -> None:
         "rollout_logp": gather_rows(data.rollout.rollout_logp),
         "adv": gather_rows(data.adv),
     }
-    metrics = trainer.dp.mean_of_floats(result.metrics)
+    metrics = trainer.dims.mean_of_floats(result.metrics)
     state = {k: v.detach().cpu() for k, v in trainer.policy.full_state_dict().items()}
     state = {k.removeprefix("module."): v for k, v in state.items()}
     every_rank_bounds = [None] * dist.get_world_size()
