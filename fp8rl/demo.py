@@ -116,6 +116,40 @@ def arm_header(index: int, arm: str) -> str:
     return f"[bold]{escape(f'[demo {index}/{len(ARMS)}]')} {arm}[/bold]"
 
 
+def what_this_run_showed(frame: Any) -> str:
+    """The demo's own numbers read back (one row per arm of `ARMS`, `SUMMARY`'s columns): whether FP8 inflated
+    clip/low_neg over BF16's here, and whether Calibrated Clipping lowered the over-clip at its own bounds below
+    vanilla FP8's, in words, with the numbers. One seed: a direction, not a test."""
+    rows = frame.set_index("run")
+
+    def value(arm: str, column: str) -> float | None:
+        found = rows.at[arm, column] if arm in rows.index and column in rows.columns else None
+        return None if found is None or found != found else float(found)  # NaN: never logged
+
+    low_neg = {arm: value(arm, "clip/low_neg (mean)") for arm in ARMS}
+    own = {arm: value(arm, "over-clip at own bounds (neg, mean)") for arm in ARMS[1:]}
+    lines = ["What this run showed (one seed, so a direction, not a test):"]
+    bf16, fp8, cc = (low_neg[arm] for arm in ARMS)
+    if None in (bf16, fp8):
+        lines.append("- clip/low_neg was not logged by every arm: nothing to compare.")
+    else:
+        verdict = "inflated" if fp8 > bf16 else "did not inflate"
+        lines.append(f"- FP8 noise {verdict} clip/low_neg: vanilla FP8 {fp8:.4f} against BF16's {bf16:.4f}.")
+    if None in own.values():
+        lines.append("- the over-clip at own bounds was not measured in both FP8 arms (no shadow step ran).")
+    else:
+        fp8_own, cc_own = own["fp8_tensorwise"], own["cc_tensorwise"]
+        verdict = "lowered" if cc_own < fp8_own else "did not lower"
+        lines.append(
+            f"- Calibrated Clipping {verdict} the over-clip at its own bounds: {cc_own:.4f} against vanilla FP8's "
+            f"{fp8_own:.4f}."
+        )
+    if cc is not None and fp8 is not None:
+        verdict = "below" if cc < fp8 else "not below"
+        lines.append(f"- its clip/low_neg was {verdict} vanilla FP8's: {cc:.4f} against {fp8:.4f}.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=15, help="RL steps per arm")
@@ -150,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             console.print("\n".join(event.line() for event in arm_events), highlight=False)
             console.print("\n".join(["The rules:", *rule_legend(arm_events)]), highlight=False)
     console.print(WHAT_TO_LOOK_AT.format(steps=args.steps))
+    console.print(what_this_run_showed(frame), highlight=False)
     console.print(f"summary: {', '.join(str(p) for p in written)}; MLflow: `make mlflow-ui`, experiment fp8rl-demo")
 
 

@@ -54,3 +54,25 @@ def test_the_arm_header_shows_its_bracketed_counter() -> None:
     console = Console(file=io.StringIO(), soft_wrap=True)
     console.print(arm_header(1, "bf16"))
     assert console.file.getvalue() == "[demo 1/3] bf16\n"
+
+
+def test_the_summary_reads_the_runs_own_numbers_back_in_words() -> None:
+    """The demo explained what Calibrated Clipping should do, never whether it did in this run."""
+    import pandas as pd
+
+    from fp8rl.demo import what_this_run_showed
+
+    frame = pd.DataFrame(
+        {
+            "run": ["bf16", "fp8_tensorwise", "cc_tensorwise"],
+            "clip/low_neg (mean)": [0.0024, 0.0405, 0.0407],
+            "over-clip at own bounds (neg, mean)": [None, 0.012, 0.003],
+        }
+    )
+    text = what_this_run_showed(frame)
+    assert "FP8 noise inflated clip/low_neg: vanilla FP8 0.0405 against BF16's 0.0024" in text
+    assert "Calibrated Clipping lowered the over-clip at its own bounds: 0.0030 against vanilla FP8's 0.0120" in text
+    assert "its clip/low_neg was not below vanilla FP8's: 0.0407 against 0.0405" in text
+    frame.loc[2, "over-clip at own bounds (neg, mean)"] = 0.02
+    assert "did not lower" in what_this_run_showed(frame)
+    assert "nothing to compare" in what_this_run_showed(frame.drop(columns="clip/low_neg (mean)"))
