@@ -106,8 +106,8 @@ def _run_in_folder(cfg, env: DistEnv, out_dir: str, layout, tracker, stop_after,
             close_log_file(out_dir)
             return RunSummary(finished, cfg.trainer.steps, {}, out_dir=out_dir)
     status = "FAILED"
-    try:
-        with signals.terminate_as_exception():
+    with signals.terminate_as_exception(on_stuck=lambda: tracker.finish("KILLED")) as stopping:
+        try:
             device = _device(cfg)
             parts, source = build_parts(cfg, dims, device)
             log.info("%s: %s; policy from %s; layout %s", name, out_dir, source, layout.describe())
@@ -122,17 +122,18 @@ def _run_in_folder(cfg, env: DistEnv, out_dir: str, layout, tracker, stop_after,
                 summary = fit(trainer, tracker, out_dir, name, meta, stop_after, submitted_at)
             finally:
                 getattr(parts.engine, "close", lambda: None)()
-        status = "FINISHED" if summary.steps_done >= cfg.trainer.steps else "SCHEDULED"
-        summary.run_id = tracker.run_id
-        return summary
-    except (KeyboardInterrupt, SystemExit):
-        status = "SCHEDULED" if signals.requeue_requested() else "KILLED"
-        raise
-    finally:
-        tracker.finish(status)
-        if status != "FINISHED":
-            log.info("run %s ended %s; re-running the same command resumes it from %s", name, status, out_dir)
-        close_log_file(out_dir)
+            status = "FINISHED" if summary.steps_done >= cfg.trainer.steps else "SCHEDULED"
+            summary.run_id = tracker.run_id
+            return summary
+        except (KeyboardInterrupt, SystemExit):
+            status = "SCHEDULED" if signals.requeue_requested() else "KILLED"
+            raise
+        finally:
+            stopping.defer()  # the run is ended whatever signal comes now (torchrun's, when another rank died)
+            tracker.finish(status)
+            if status != "FINISHED":
+                log.info("run %s ended %s; re-running the same command resumes it from %s", name, status, out_dir)
+            close_log_file(out_dir)
 
 
 def build_trainer(cfg: RunConfig) -> RLTrainer:
