@@ -139,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     except TrackingUnavailable as err:
         print(f"tracking store unavailable: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            "interrupted (Ctrl-C): points that had started are marked KILLED; the same command resumes them",
+            file=sys.stderr,
+        )
+        return 130
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ few steps cannot show.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,4 +190,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # one line, not a traceback
+        print(
+            "interrupted (Ctrl-C): the arm that was training is marked KILLED; `make demo` resumes it", file=sys.stderr
+        )
+        sys.exit(130)

@@ -21,6 +21,7 @@ from fp8rl.schema import register_schema
 register_schema()
 silence_expected_warnings()
 log = logging.getLogger("fp8rl")
+INTERRUPTED = "interrupted (Ctrl-C): the run is marked KILLED; the same command resumes it from its last checkpoint"
 
 
 def resolve(cfg: DictConfig) -> RunConfig:
@@ -67,6 +68,9 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, TrackingUnavailable) as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # one line, not the 60-line traceback of every frame it passed through
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(130)
     log.info("done: %d steps, MLflow run %s, final eval %s", summary.steps_done, summary.run_id, summary.final_eval)
 
 

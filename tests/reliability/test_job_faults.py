@@ -143,3 +143,20 @@ def test_sigterm_marks_the_run_killed_and_the_same_command_resumes_it(tmp_path: 
     assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "rollout/reward")) == list(range(1, 7))
     assert resumed.data.tags["fp8rl.resumed_from_step"] != "0"
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_and_leaves_the_run_resumable(tmp_path: Path, warmstart_cache: Path) -> None:
+    """Ctrl-C printed a 60-line traceback."""
+    overrides = [f"{k}={v}" for k, v in {**SMALL, "trainer.steps": 6}.items() if k != "tracking.enabled"]
+    command = [sys.executable, "-m", "fp8rl.train", *overrides, f"warmstart.cache_dir={warmstart_cache}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "step 1/6" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "interrupted (Ctrl-C): the run is marked KILLED" in stderr
+    assert only_run(f"sqlite:///{tmp_path / 'mlflow.db'}")[1].info.status == "KILLED"
