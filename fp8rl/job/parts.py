@@ -50,8 +50,10 @@ class StartWeights:
     model_cfg: ModelConfig
     tensors: dict[str, torch.Tensor] | None
     source: str  # where they came from, for the run's description
+    details: dict = dataclasses.field(default_factory=dict)  # the warm start's identity, accuracy and machine
 
 
+WARMSTART_DETAILS = ("key", "steps_done", "eval/accuracy", "train_seconds", "torch_threads", "machine")
 PROMPT_BUDGET = 2048  # tokens of the layout's sequence length kept for the prompt (math tasks on GPUs)
 
 
@@ -114,7 +116,8 @@ def start_weights(cfg: RunConfig, task: Task, hf_folder: str | None, dims: Paral
     accuracy = result.metadata.get("eval/accuracy", float("nan"))
     steps = result.metadata.get("steps_done", cfg.warmstart.steps)  # fewer when stopped at an accuracy
     source = f"{steps}-step supervised warm start ({accuracy:.1%} greedy held-out accuracy)"
-    return StartWeights(model_cfg, safetensors.torch.load_file(str(result.weights_path)), source)
+    details = {key: result.metadata.get(key) for key in WARMSTART_DETAILS}
+    return StartWeights(model_cfg, safetensors.torch.load_file(str(result.weights_path)), source, details)
 
 
 def build_policy(cfg: RunConfig, weights: StartWeights, dims: ParallelDims, device):
@@ -251,7 +254,7 @@ def micro_batch_size(cfg: RunConfig, layout: ParallelLayout) -> int | None:
     return layout.micro_batch_size if asked else None
 
 
-def build_parts(cfg: RunConfig, dims: ParallelDims, device: torch.device) -> tuple[Parts, str]:
+def build_parts(cfg: RunConfig, dims: ParallelDims, device: torch.device) -> tuple[Parts, StartWeights]:
     """Every part of the run, and a one-line description of where the policy starts from. `dims`: where this rank
     is and what it runs, read by every builder."""
     layout = dims.plan
@@ -278,4 +281,4 @@ def build_parts(cfg: RunConfig, dims: ParallelDims, device: torch.device) -> tup
         device=device,
         micro_batch_size=micro_batch_size(cfg, layout),
     )
-    return parts, weights.source
+    return parts, dataclasses.replace(weights, tensors=None)

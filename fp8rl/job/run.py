@@ -109,8 +109,9 @@ def _run_in_folder(cfg, env: DistEnv, out_dir: str, layout, tracker, stop_after,
     with signals.terminate_as_exception(on_stuck=lambda: tracker.finish("KILLED")) as stopping:
         try:
             device = _device(cfg)
-            parts, source = build_parts(cfg, dims, device)
-            log.info("%s: %s; policy from %s; layout %s", name, out_dir, source, layout.describe())
+            parts, weights = build_parts(cfg, dims, device)
+            log.info("%s: %s; policy from %s; layout %s", name, out_dir, weights.source, layout.describe())
+            log_start_weights(tracker, out_dir, weights, env.rank)
             if state is None:  # once per run, at its start
                 tracker.log_datasets(lambda: task_datasets(cfg.task, parts.task.train_problems, parts.task.eval_sets))
             trainer = RLTrainer(parts, cfg)
@@ -134,6 +135,16 @@ def _run_in_folder(cfg, env: DistEnv, out_dir: str, layout, tracker, stop_after,
             if status != "FINISHED":
                 log.info("run %s ended %s; re-running the same command resumes it from %s", name, status, out_dir)
             close_log_file(out_dir)
+
+
+def log_start_weights(tracker, out_dir: str, weights, rank: int) -> None:
+    """Where the policy started, on every run: ``start_weights.json`` (the source, and for a warm start its cache
+    key, steps, held-out accuracy and the CPU and kernels that trained it), an artifact of the MLflow run."""
+    if rank != 0:
+        return
+    path = Path(out_dir) / "start_weights.json"
+    path.write_text(json.dumps({"source": weights.source, **weights.details}, indent=2, default=str) + "\n")
+    tracker.log_artifact(path)
 
 
 def build_trainer(cfg: RunConfig) -> RLTrainer:

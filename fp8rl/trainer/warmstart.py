@@ -40,6 +40,7 @@ from fp8rl.models.gpt import build_gpt_model, compute_precision
 from fp8rl.models.logprobs import forward_logits, left_pad
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.tasks.base import Problem, Task, garble_metrics
+from fp8rl.tracking.provenance import cpu_info
 
 # Bump when the training recipe or the file layout changes meaning. 3: the key is the run hash's view of the task
 # and warm-start sections (`identity.hashed_fields`); format 2 kept its own list of added fields.
@@ -268,6 +269,7 @@ def _train_and_cache(
         "steps_done": model.warmstart_steps_done,
         "stop_trace": model.warmstart_trace,
         "torch_threads": torch.get_num_threads(),
+        "machine": cpu_info(),  # which CPU and kernels made it: the numbers depend on them unless pinned
         **metrics,
     }
     # Metadata first: a weights file on disk implies its metadata is complete.

@@ -56,3 +56,26 @@ def test_a_submitit_job_records_fp8rls_source_and_git_commit_not_submitits(monke
     assert tags["mlflow.source.name"].startswith("fp8rl.job.run_job")
     assert tags["mlflow.source.type"] == "JOB"
     assert tags["mlflow.source.git.commit"] == git_info()["git_sha"] != "unknown"
+
+
+def test_every_run_records_where_its_policy_started_and_which_cpu_trained_the_warm_start(small_cfg) -> None:
+    """Runs did not say which warm start they used, nor its accuracy, and the tiny numbers depend on the CPU."""
+    import json
+    from pathlib import Path
+
+    from fp8rl.tracking import NullTracker
+
+    class Artifacts(NullTracker):
+        logged: list[str] = []
+
+        def log_artifact(self, path, artifact_path=None) -> None:
+            self.logged.append(str(path))
+
+    tracker = Artifacts()
+    summary = run_job(with_overrides(small_cfg, {"trainer.steps": 1}), tracker=tracker)
+    path = Path(summary.out_dir) / "start_weights.json"
+    assert str(path) in tracker.logged
+    start = json.loads(path.read_text())
+    assert start["source"].startswith("30-step supervised warm start") and len(start["key"]) >= 12
+    assert start["steps_done"] == 30 and 0 <= start["eval/accuracy"] <= 1
+    assert {"cpu_model", "cpu_flags", "kernel_settings"} <= set(start["machine"])
