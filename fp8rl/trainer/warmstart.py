@@ -19,6 +19,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -122,6 +123,16 @@ def greedy_eval(model: torch.nn.Module, task: Task, problems: Sequence[Problem],
     return {"eval/accuracy": sum(rewards) / len(rewards), **garble_metrics(reasons)}
 
 
+log = logging.getLogger(__name__)
+PROGRESS_EVERY = 50  # warm-start steps between progress lines
+
+
+def progress_line(done: int, total: int, loss: float, seconds: float) -> str:
+    """``warm start 50/400 | loss 1.234 | 12 s, ~84 s left``: the warm start used to train for minutes in silence."""
+    left = seconds / done * (total - done) if done else float("nan")
+    return f"warm start {done}/{total} | loss {loss:.3f} | {seconds:.0f} s, ~{left:.0f} s left"
+
+
 def train_warmstart(
     model_cfg: ModelConfig,
     task: Task,
@@ -137,11 +148,14 @@ def train_warmstart(
     sampler = torch.Generator().manual_seed(ws_cfg.seed)
     problems = task.train_problems
     trace: list[list[float]] = []  # [step, greedy accuracy] of each early-stopping check
+    started = time.perf_counter()
     for step in range(ws_cfg.steps):
         picks = torch.randint(len(problems), (ws_cfg.batch_size,), generator=sampler).tolist()
         loss = warmstart_step(model, optimizer, task, [problems[i] for i in picks], ws_cfg)
         if on_step is not None:
             on_step(step, loss.item(), model)
+        if (step + 1) % PROGRESS_EVERY == 0 or step + 1 == ws_cfg.steps:
+            log.info(progress_line(step + 1, ws_cfg.steps, loss.item(), time.perf_counter() - started))
         if ws_cfg.stop_accuracy is not None and (step + 1) % ws_cfg.check_every == 0:
             if _accuracy_check(model, task, ws_cfg, step + 1, trace) >= ws_cfg.stop_accuracy:
                 break

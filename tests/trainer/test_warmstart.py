@@ -154,3 +154,12 @@ def test_a_warm_start_being_trained_holds_its_lock_until_cached(tmp_path: Path) 
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a second run waits while the first trains
     with open(lock) as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once the first is done
+
+
+def test_the_warm_start_says_how_far_it_is_and_how_long_is_left() -> None:
+    """make demo's 400-step warm start printed nothing for minutes (train_warmstart logs this line every
+    PROGRESS_EVERY steps)."""
+    from fp8rl.trainer.warmstart import progress_line
+
+    assert progress_line(50, 400, 1.23456, 12.0) == "warm start 50/400 | loss 1.235 | 12 s, ~84 s left"
+    assert progress_line(400, 400, 0.5, 96.0).endswith("96 s, ~0 s left")
