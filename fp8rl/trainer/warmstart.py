@@ -14,9 +14,7 @@ the cache.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -28,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import filelock
 import safetensors.torch
 import torch
 import torch.nn.functional as F
@@ -249,16 +248,10 @@ def warmstart(model_cfg: ModelConfig, task: Task, task_cfg: TaskConfig, ws_cfg: 
         return _train_and_cache(resolved_cfg, task, task_cfg, ws_cfg, key, weights_path, metadata_path)
 
 
-@contextlib.contextmanager
-def _exclusive(lock_path: Path):
-    """An exclusive lock on ``lock_path`` (POSIX ``flock``: released when the process dies)."""
+def _exclusive(lock_path: Path) -> filelock.FileLock:
+    """An exclusive lock on ``lock_path`` (filelock's kernel flock: released when the process dies, kill -9 too)."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return filelock.FileLock(lock_path)
 
 
 def _train_and_cache(
