@@ -19,6 +19,7 @@ process group; nothing after that needs it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,7 @@ class ParallelDims:
             ps.get_data_parallel_world_size(),
         )
         if plan is None:
-            plan = ParallelLayout(tensor_parallel=sizes[0], pipeline_parallel=sizes[1], gpus_per_node=_product(sizes))
+            plan = ParallelLayout(tensor_parallel=sizes[0], pipeline_parallel=sizes[1], gpus_per_node=math.prod(sizes))
         planned = (plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel)
         if sizes != planned:
             raise RuntimeError(f"megatron's groups are TP x PP x DP = {sizes}, the run's layout says {planned}")
@@ -149,10 +150,3 @@ class ParallelDims:
 
 
 SINGLE = ParallelDims()
-
-
-def _product(sizes: tuple[int, ...]) -> int:
-    out = 1
-    for size in sizes:
-        out *= size
-    return out
