@@ -31,7 +31,7 @@ REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):.*## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-18s %s\n", $$1, $$2}'
 
-.PHONY: help setup golden test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
+.PHONY: help setup golden ship-warmstart test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
 
 setup: $(STAMP)  ## the venv with torch (CPU) and fp8rl[dev,bench]; every target runs it (idempotent)
 
@@ -70,6 +70,11 @@ demo: setup  ## the main job on the embedded defaults: BF16 vs FP8 vs FP8 + Cali
 # re-record only for a deliberate change of behaviour (and say why in the commit).
 golden: setup  ## re-record the golden per-step record (a deliberate change of behaviour only)
 	$(PY) -m tests.golden.record --check-machine
+
+# The tiny tables' warm start, shipped in fp8rl/assets/warmstart/ so that every machine starts its tiny runs from
+# the same weights: re-ship only for a deliberate change of the tiny defaults (it changes every tiny run's start).
+ship-warmstart: setup  ## train the tiny tables' warm start here and ship it (a deliberate change only)
+	$(PY) -m fp8rl.trainer.warmstart --ship
 
 # Screenshots of the MLflow UI over the demo's runs (runs table, charts, run pages, an artifact, the compare
 # view) into results/ui/: Debian's Chromium (installed here, as root) driven by Playwright (the `ui` extra).

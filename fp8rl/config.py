@@ -416,6 +416,12 @@ class WarmStartConfig:
         neutral=(None,),
     )
     check_every: int = option(20, "steps between the accuracy checks of stop_accuracy", neutral=(20,))
+    shipped: bool = option(
+        True,
+        "use the warm start shipped in fp8rl/assets/warmstart when its key matches (the same weights on every CPU); "
+        "false = train it on this machine",
+        hashed=False,
+    )
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"warmstart.steps={self.steps} must be >= 0")

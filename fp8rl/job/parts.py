@@ -53,7 +53,16 @@ class StartWeights:
     details: dict = dataclasses.field(default_factory=dict)  # the warm start's identity, accuracy and machine
 
 
-WARMSTART_DETAILS = ("key", "steps_done", "eval/accuracy", "train_seconds", "torch_threads", "machine")
+WARMSTART_DETAILS = (
+    "key",
+    "origin",
+    "sha256",
+    "steps_done",
+    "eval/accuracy",
+    "train_seconds",
+    "torch_threads",
+    "machine",
+)
 PROMPT_BUDGET = 2048  # tokens of the layout's sequence length kept for the prompt (math tasks on GPUs)
 
 
@@ -115,7 +124,8 @@ def start_weights(cfg: RunConfig, task: Task, hf_folder: str | None, dims: Paral
     result = rank_zero_first(lambda: warmstart_here_or_apart(cfg, model_cfg, task, dims))
     accuracy = result.metadata.get("eval/accuracy", float("nan"))
     steps = result.metadata.get("steps_done", cfg.warmstart.steps)  # fewer when stopped at an accuracy
-    source = f"{steps}-step supervised warm start ({accuracy:.1%} greedy held-out accuracy)"
+    origin = result.metadata.get("origin", "cache")
+    source = f"{steps}-step supervised warm start ({accuracy:.1%} greedy held-out accuracy, {origin})"
     details = {key: result.metadata.get(key) for key in WARMSTART_DETAILS}
     return StartWeights(model_cfg, safetensors.torch.load_file(str(result.weights_path)), source, details)
 

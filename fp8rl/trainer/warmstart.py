@@ -213,13 +213,46 @@ def cache_paths(cache_dir: Path, key: str) -> tuple[Path, Path]:
     return cache_dir / f"warmstart-{key}.safetensors", cache_dir / f"warmstart-{key}.json"
 
 
-def cached_warmstart(model_cfg: ModelConfig, task: Task, task_cfg: TaskConfig, ws_cfg: WarmStartConfig):
-    """The cached result for these configs, or None."""
-    key = warmstart_key(with_tokenizer_vocab(model_cfg, task.tokenizer.vocab_size), task_cfg, ws_cfg)
+# Warm starts shipped with fp8rl (`make ship-warmstart`): the tiny tables' start, trained once, so every machine
+# starts its runs from the same weights (a warm start trained on another CPU type lands elsewhere: its BF16 kernels
+# differ). Looked up before the local cache; ``warmstart.shipped=false`` trains on this machine instead.
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "assets" / "warmstart"
+
+
+def shipped_warmstart(key: str, shipped_dir: Path | None = None) -> WarmStartResult | None:
+    """The shipped warm start of ``key`` (in `SHIPPED_DIR` unless told), or None; its weights must hash to the
+    sha256 its metadata records (a truncated file or a Git LFS pointer is an error, not a different start)."""
+    weights_path, metadata_path = cache_paths(shipped_dir or SHIPPED_DIR, key)
+    if not (weights_path.exists() and metadata_path.exists()):
+        return None
+    metadata = json.loads(metadata_path.read_text())
+    found = file_sha256(weights_path)
+    if found != metadata.get("sha256"):
+        raise RuntimeError(
+            f"the shipped warm start {weights_path} has sha256 {found}, its metadata says {metadata.get('sha256')}: "
+            "restore it (git checkout -- fp8rl/assets/warmstart) or set warmstart.shipped=false"
+        )
+    return WarmStartResult(weights_path, {**metadata, "origin": "shipped"})
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _found(key: str, ws_cfg: WarmStartConfig) -> WarmStartResult | None:
+    """The shipped warm start of ``key`` (when asked for), else the local cache's, else None."""
+    shipped = shipped_warmstart(key) if ws_cfg.shipped else None
+    if shipped is not None:
+        return shipped
     weights_path, metadata_path = cache_paths(Path(ws_cfg.cache_dir), key)
     if weights_path.exists() and metadata_path.exists():
-        return WarmStartResult(weights_path, json.loads(metadata_path.read_text()))
+        return WarmStartResult(weights_path, {**json.loads(metadata_path.read_text()), "origin": "cache"})
     return None
+
+
+def cached_warmstart(model_cfg: ModelConfig, task: Task, task_cfg: TaskConfig, ws_cfg: WarmStartConfig):
+    """The shipped or cached result for these configs, or None."""
+    return _found(warmstart_key(with_tokenizer_vocab(model_cfg, task.tokenizer.vocab_size), task_cfg, ws_cfg), ws_cfg)
 
 
 def warmstart_in_own_process(config_json: dict[str, Any]) -> None:
@@ -240,11 +273,15 @@ def warmstart(model_cfg: ModelConfig, task: Task, task_cfg: TaskConfig, ws_cfg: 
     and their metadata (eval accuracy, train time)."""
     resolved_cfg = with_tokenizer_vocab(model_cfg, task.tokenizer.vocab_size)
     key = warmstart_key(resolved_cfg, task_cfg, ws_cfg)
+    shipped = shipped_warmstart(key) if ws_cfg.shipped else None
+    if shipped is not None:
+        return shipped
     weights_path, metadata_path = cache_paths(Path(ws_cfg.cache_dir), key)
     # Runs of a sweep that start together share one warm start: the first trains it, the others wait for it.
     with _exclusive(weights_path.with_suffix(".lock")):
-        if weights_path.exists() and metadata_path.exists():
-            return WarmStartResult(weights_path, json.loads(metadata_path.read_text()))
+        found = _found(key, ws_cfg)
+        if found is not None:
+            return found
         return _train_and_cache(resolved_cfg, task, task_cfg, ws_cfg, key, weights_path, metadata_path)
 
 
@@ -282,7 +319,27 @@ def _train_and_cache(
     # Metadata first: a weights file on disk implies its metadata is complete.
     _write_atomically(metadata_path, lambda tmp: Path(tmp).write_text(json.dumps(metadata, indent=2) + "\n"))
     _write_atomically(weights_path, lambda tmp: safetensors.torch.save_file(tensor_state_dict(model), tmp))
-    return WarmStartResult(weights_path, metadata)
+    return WarmStartResult(weights_path, {**metadata, "origin": "trained here"})
+
+
+def ship(cfg) -> Path:
+    """Train the warm start of run config ``cfg`` on this machine (never from a cache) and write it, with its
+    weights' sha256, to `SHIPPED_DIR`: a deliberate change of every tiny run's start, like re-recording the golden
+    record. Returns the weights' path."""
+    from fp8rl.models.config import get_model_config
+    from fp8rl.tasks import build_task
+
+    task = build_task(cfg.task)
+    with tempfile.TemporaryDirectory() as fresh:
+        ws_cfg = dataclasses.replace(cfg.warmstart, cache_dir=fresh, shipped=False)
+        result = warmstart(get_model_config(cfg.model.preset), task, cfg.task, ws_cfg)
+        metadata = {k: v for k, v in result.metadata.items() if k != "origin"}
+        metadata["warmstart"] = dataclasses.asdict(cfg.warmstart)
+        metadata["sha256"] = file_sha256(result.weights_path)
+        weights_path, metadata_path = cache_paths(SHIPPED_DIR, metadata["key"])
+        _write_atomically(weights_path, lambda tmp: Path(tmp).write_bytes(result.weights_path.read_bytes()))
+    _write_atomically(metadata_path, lambda tmp: Path(tmp).write_text(json.dumps(metadata, indent=2) + "\n"))
+    return weights_path
 
 
 def load_warmstarted_model(weights_path: str | Path, model_cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
@@ -293,22 +350,35 @@ def load_warmstarted_model(weights_path: str | Path, model_cfg: ModelConfig, see
     return model
 
 
-def main(config_path: str) -> None:
-    """``python -m fp8rl.trainer.warmstart RUN_CONFIG.json``: the warm start of that run, cached."""
+def main(argv: list[str] | None = None) -> None:
+    """``python -m fp8rl.trainer.warmstart RUN_CONFIG.json``: the warm start of that run, cached.
+    ``--ship``: train the embedded defaults' tiny warm start here and ship it (`make ship-warmstart`)."""
+    import argparse
+
     from fp8rl.config import from_dict
     from fp8rl.models.config import get_model_config
     from fp8rl.models.runtime import init_megatron
     from fp8rl.tasks import build_task
 
-    cfg = from_dict(json.loads(Path(config_path).read_text()))
+    parser = argparse.ArgumentParser(prog="python -m fp8rl.trainer.warmstart")
+    parser.add_argument("config", nargs="?", type=Path, help="a resolved run config (.json)")
+    parser.add_argument("--ship", action="store_true", help="train the tiny defaults' warm start and ship it")
+    args = parser.parse_args(argv)
+    if args.ship:
+        from fp8rl.choices import validated
+        from fp8rl.compose import compose_config
+
+        cfg = validated(compose_config(["scale=tiny"]))
+    else:
+        cfg = from_dict(json.loads(args.config.read_text()))
     if cfg.trainer.threads:  # as the job's process does (fp8rl.job.process): the numbers depend on it
         torch.set_num_threads(cfg.trainer.threads)
     init_megatron(seed=cfg.warmstart.seed)
-    task = build_task(cfg.task)
-    warmstart(get_model_config(cfg.model.preset), task, cfg.task, cfg.warmstart)
+    if args.ship:
+        print(f"shipped {ship(cfg)}")
+        return
+    warmstart(get_model_config(cfg.model.preset), build_task(cfg.task), cfg.task, cfg.warmstart)
 
 
 if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1])
+    main()

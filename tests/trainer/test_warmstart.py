@@ -163,3 +163,57 @@ def test_the_warm_start_says_how_far_it_is_and_how_long_is_left() -> None:
 
     assert progress_line(50, 400, 1.23456, 12.0) == "warm start 50/400 | loss 1.235 | 12 s, ~84 s left"
     assert progress_line(400, 400, 0.5, 96.0).endswith("96 s, ~0 s left")
+
+
+# --------------------------------------------------------------------------------------------- shipped warm start
+def _tiny_tables_key() -> str:
+    from fp8rl.choices import validated
+    from fp8rl.compose import compose_config
+
+    cfg = validated(compose_config(["scale=tiny"]))
+    resolved = with_tokenizer_vocab(get_model_config(cfg.model.preset), build_task(cfg.task).tokenizer.vocab_size)
+    return warmstart_key(resolved, cfg.task, cfg.warmstart)
+
+
+def test_the_tiny_tables_warm_start_is_shipped_and_intact() -> None:
+    """A change of the tiny defaults that moves the warm-start key leaves the shipped file unused: every machine
+    would train its own start again (and land elsewhere). Re-ship it: `make ship-warmstart`."""
+    key = _tiny_tables_key()
+    shipped = ws.shipped_warmstart(key)
+    assert shipped is not None, f"no shipped warm start for the tiny defaults' key {key}: run `make ship-warmstart`"
+    assert shipped.metadata["key"] == key and shipped.metadata["origin"] == "shipped"
+    assert 0.3 < shipped.metadata["eval/accuracy"] < 0.9  # partly right: RL has signal and room to learn
+    assert sorted(p.name for p in ws.SHIPPED_DIR.iterdir() if p.suffix != ".md") == sorted(
+        ws.cache_paths(ws.SHIPPED_DIR, key)[i].name for i in range(2)
+    ), "a shipped file no config uses"
+
+
+def test_a_shipped_warm_start_is_used_before_the_cache_and_never_retrained(task, model_cfg, tmp_path, monkeypatch):
+    key = warmstart_key(model_cfg, TASK_CFG, QUICK)
+    trained = warmstart(model_cfg, task, TASK_CFG, dataclasses.replace(QUICK, cache_dir=str(tmp_path / "made")))
+    shipped_dir = tmp_path / "shipped"
+    shipped_dir.mkdir()
+    weights, metadata = ws.cache_paths(shipped_dir, key)
+    weights.write_bytes(trained.weights_path.read_bytes())
+    metadata.write_text(ws.json.dumps({**trained.metadata, "sha256": ws.file_sha256(weights)}))
+    monkeypatch.setattr(ws, "SHIPPED_DIR", shipped_dir)
+    empty_cache = dataclasses.replace(QUICK, cache_dir=str(tmp_path / "empty"))
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("trained although a shipped warm start exists")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ws, "train_warmstart", must_not_train)
+        found = warmstart(model_cfg, task, TASK_CFG, empty_cache)
+    assert found.weights_path == weights and found.metadata["origin"] == "shipped"
+    assert not (tmp_path / "empty").exists()  # nothing trained, nothing cached, no lock taken
+    here = warmstart(model_cfg, task, TASK_CFG, dataclasses.replace(empty_cache, shipped=False))
+    assert here.metadata["origin"] == "trained here" and here.weights_path.parent == tmp_path / "empty"
+
+
+def test_a_damaged_shipped_warm_start_is_an_error_not_another_start(tmp_path: Path) -> None:
+    weights, metadata = ws.cache_paths(tmp_path, "0123456789abcdef")
+    weights.write_bytes(b"version https://git-lfs.github.com/spec/v1\n")  # what a Git LFS pointer looks like
+    metadata.write_text('{"key": "0123456789abcdef", "sha256": "00"}')
+    with pytest.raises(RuntimeError, match="git checkout -- fp8rl/assets/warmstart"):
+        ws.shipped_warmstart("0123456789abcdef", tmp_path)
