@@ -31,7 +31,7 @@ REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):.*## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-18s %s\n", $$1, $$2}'
 
-.PHONY: help setup golden ship-warmstart test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
+.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-check collapse collapse-pilot collapse-control
 
 setup: $(STAMP)  ## the venv with torch (CPU) and fp8rl[dev,bench]; every target runs it (idempotent)
 
@@ -137,6 +137,11 @@ ablation: setup  ## the Calibrated Clipping ablations
 stress: setup  ## the activation-outlier stress table
 	$(REPRO_SWEEP) stress_outliers trainer.seed=$(SEEDS)
 	$(REPORT) table stress_outliers
+
+# The demo under three CPU kernel settings (results/studies/2026-12-03-kernel-spread.md): the spread of the
+# tiny results on another CPU, now that every machine starts from the shipped warm start.
+kernel-spread: setup  ## the demo under three CPU kernel settings: how far its results move on another CPU
+	$(PY) -m fp8rl.studies.kernel_spread
 
 figures: setup  ## the figures from MLflow
 	$(REPORT) figures

@@ -12,6 +12,7 @@ few steps cannot show.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ DEMO_OVERRIDES = (  # what the demo changes from the tiny tables' setting, and w
     "clipping.interval=2",
     "trainer.shadow_every=2",  # the BF16 shadow on the same steps in the vanilla FP8 arm: its over-clip measured
     "eval.every=5",
-    "tracking.experiment=fp8rl-demo",
 )
+EXPERIMENT = "fp8rl-demo"
 SUMMARY = (
     Column("final eval accuracy", "eval/accuracy", "last"),
     Column("mean reward", "rollout/reward", "mean"),
@@ -62,8 +63,17 @@ seed noise (the tables run 3 seeds and report mean +- sd), and the paper's conse
 garbled output) needs long runs: see results/README.md."""
 
 
-def demo_overrides(arm: str, steps: int) -> list[str]:
-    return ["scale=tiny", f"+experiment/arm={arm}", *(o.format(steps=steps) for o in DEMO_OVERRIDES)]
+def demo_overrides(arm: str, steps: int, experiment: str = EXPERIMENT) -> list[str]:
+    """The arm's overrides. Another `experiment` is a demo apart (its own MLflow experiment and run folders), e.g.
+    the same arms under other CPU kernels (``fp8rl.studies.kernel_spread``): the config hash is the same."""
+    where = [] if experiment == EXPERIMENT else [f"trainer.out_dir=outputs/{experiment}/{arm}"]
+    return [
+        "scale=tiny",
+        f"+experiment/arm={arm}",
+        *(o.format(steps=steps) for o in DEMO_OVERRIDES),
+        f"tracking.experiment={experiment}",
+        *where,
+    ]
 
 
 @dataclass(frozen=True)
@@ -117,36 +127,56 @@ def arm_header(index: int, arm: str) -> str:
     return f"[bold]{escape(f'[demo {index}/{len(ARMS)}]')} {arm}[/bold]"
 
 
-def what_this_run_showed(frame: Any) -> str:
-    """The demo's own numbers read back (one row per arm of `ARMS`, `SUMMARY`'s columns): whether FP8 inflated
-    clip/low_neg over BF16's here, and whether Calibrated Clipping lowered the over-clip at its own bounds below
-    vanilla FP8's, in words, with the numbers. One seed: a direction, not a test."""
+def demo_numbers(frame: Any) -> dict[str, float | None]:
+    """From the summary (one row per arm of `ARMS`): each arm's mean clip/low_neg (``low_neg/<arm>``) and each
+    FP8 arm's over-clip at its own bounds (``own/<arm>``); None where never logged."""
     rows = frame.set_index("run")
 
     def value(arm: str, column: str) -> float | None:
         found = rows.at[arm, column] if arm in rows.index and column in rows.columns else None
         return None if found is None or found != found else float(found)  # NaN: never logged
 
-    low_neg = {arm: value(arm, "clip/low_neg (mean)") for arm in ARMS}
-    own = {arm: value(arm, "over-clip at own bounds (neg, mean)") for arm in ARMS[1:]}
+    numbers = {f"low_neg/{arm}": value(arm, "clip/low_neg (mean)") for arm in ARMS}
+    numbers.update({f"own/{arm}": value(arm, "over-clip at own bounds (neg, mean)") for arm in ARMS[1:]})
+    return numbers
+
+
+def demo_verdicts(frame: Any) -> dict[str, bool | None]:
+    """The demo's three directions (None: not measured): FP8 noise inflated clip/low_neg over BF16's; Calibrated
+    Clipping lowered the over-clip at its own bounds below vanilla FP8's; CC's clip/low_neg below vanilla FP8's."""
+    n = demo_numbers(frame)
+
+    def below(a: float | None, b: float | None) -> bool | None:
+        return None if a is None or b is None else a < b
+
+    return {
+        "fp8_inflates_low_neg": below(n["low_neg/bf16"], n["low_neg/fp8_tensorwise"]),
+        "cc_lowers_overclip": below(n["own/cc_tensorwise"], n["own/fp8_tensorwise"]),
+        "cc_low_neg_below_fp8": below(n["low_neg/cc_tensorwise"], n["low_neg/fp8_tensorwise"]),
+    }
+
+
+def what_this_run_showed(frame: Any) -> str:
+    """The demo's own numbers read back (`demo_verdicts`) in words, with the numbers. One seed: a direction, not
+    a test."""
+    n, verdicts = demo_numbers(frame), demo_verdicts(frame)
+    bf16, fp8, cc = (n[f"low_neg/{arm}"] for arm in ARMS)
     lines = ["What this run showed (one seed, so a direction, not a test):"]
-    bf16, fp8, cc = (low_neg[arm] for arm in ARMS)
-    if None in (bf16, fp8):
+    if verdicts["fp8_inflates_low_neg"] is None:
         lines.append("- clip/low_neg was not logged by every arm: nothing to compare.")
     else:
-        verdict = "inflated" if fp8 > bf16 else "did not inflate"
+        verdict = "inflated" if verdicts["fp8_inflates_low_neg"] else "did not inflate"
         lines.append(f"- FP8 noise {verdict} clip/low_neg: vanilla FP8 {fp8:.4f} against BF16's {bf16:.4f}.")
-    if None in own.values():
+    if verdicts["cc_lowers_overclip"] is None:
         lines.append("- the over-clip at own bounds was not measured in both FP8 arms (no shadow step ran).")
     else:
-        fp8_own, cc_own = own["fp8_tensorwise"], own["cc_tensorwise"]
-        verdict = "lowered" if cc_own < fp8_own else "did not lower"
+        verdict = "lowered" if verdicts["cc_lowers_overclip"] else "did not lower"
         lines.append(
-            f"- Calibrated Clipping {verdict} the over-clip at its own bounds: {cc_own:.4f} against vanilla FP8's "
-            f"{fp8_own:.4f}."
+            f"- Calibrated Clipping {verdict} the over-clip at its own bounds: {n['own/cc_tensorwise']:.4f} against "
+            f"vanilla FP8's {n['own/fp8_tensorwise']:.4f}."
         )
-    if cc is not None and fp8 is not None:
-        verdict = "below" if cc < fp8 else "not below"
+    if verdicts["cc_low_neg_below_fp8"] is not None:
+        verdict = "below" if verdicts["cc_low_neg_below_fp8"] else "not below"
         lines.append(f"- its clip/low_neg was {verdict} vanilla FP8's: {cc:.4f} against {fp8:.4f}.")
     return "\n".join(lines)
 
@@ -155,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=15, help="RL steps per arm")
     parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="the summary's folder")
+    parser.add_argument("--experiment", default=EXPERIMENT, help="the MLflow experiment (another: a demo apart)")
     args = parser.parse_args(argv)
     silence_expected_warnings()
     from rich.console import Console
@@ -169,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     run_ids = {}
     for index, arm in enumerate(ARMS, start=1):
         console.print(arm_header(index, arm))
-        cfg = validated(compose_config(demo_overrides(arm, args.steps)))
+        cfg = validated(compose_config(demo_overrides(arm, args.steps, args.experiment)))
         run_ids[arm] = run_job(cfg).run_id
     uri = store.absolute_tracking_uri(cfg.tracking.tracking_uri)
     frame = summarize_runs(run_ids, SUMMARY, tracking_uri=uri)
@@ -178,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     frame["calibrations"] = [calibration_summary(events.get(arm, [])) for arm in frame["run"]]
     frame = frame.astype(object).where(frame.notna(), None)  # a metric an arm never logs: an empty cell, not nan
     written = write_frame(frame, args.out, "summary", title="fp8rl demo (tiny task, CPU, one seed)")
+    (args.out / "runs.json").write_text(json.dumps(run_ids, indent=2) + "\n")  # {arm: MLflow run id}
     console.print(frame.to_markdown(index=False, floatfmt=".4f"))
     for arm, arm_events in events.items():
         if arm_events:
@@ -186,7 +218,9 @@ def main(argv: list[str] | None = None) -> None:
             console.print("\n".join(["The rules:", *rule_legend(arm_events)]), highlight=False)
     console.print(WHAT_TO_LOOK_AT.format(steps=args.steps))
     console.print(what_this_run_showed(frame), highlight=False)
-    console.print(f"summary: {', '.join(str(p) for p in written)}; MLflow: `make mlflow-ui`, experiment fp8rl-demo")
+    console.print(
+        f"summary: {', '.join(str(p) for p in written)}; MLflow: `make mlflow-ui`, experiment {args.experiment}"
+    )
 
 
 if __name__ == "__main__":
