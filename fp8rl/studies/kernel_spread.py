@@ -82,6 +82,11 @@ def ranges(table: pd.DataFrame) -> pd.DataFrame:
     return grouped.reindex([arm for arm in ARMS if arm in grouped.index]).reset_index()
 
 
+def _markdown(frame: pd.DataFrame) -> str:
+    """A Markdown table with 4 decimals and "-" where an arm has no value (BF16 has no over-clip)."""
+    return frame.astype(object).where(frame.notna(), None).to_markdown(index=False, floatfmt=".4f", missingval="-")
+
+
 def write_report(summaries: dict[str, pd.DataFrame], out_dir: Path, run_ids: dict[str, dict[str, str]]) -> list[Path]:
     """``kernel_spread.csv`` (tidy), ``kernel_spread.md`` (verdicts, ranges, same-start check, provenance)."""
     from fp8rl.tracking.provenance import provenance
@@ -124,11 +129,11 @@ def write_report(summaries: dict[str, pd.DataFrame], out_dir: Path, run_ids: dic
         "",
         "## Each arm's numbers across the settings (min, max)",
         "",
-        ranges(table).to_markdown(index=False, floatfmt=".4f"),
+        _markdown(ranges(table)),
         "",
         "## Every run",
         "",
-        table.drop(columns=["start_sha256", "run_id"]).to_markdown(index=False, floatfmt=".4f"),
+        _markdown(table.drop(columns=["start_sha256", "run_id"])),
         "",
     ]
     md_path.write_text("\n".join(lines))
@@ -140,10 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=15, help="RL steps per arm (the demo's)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--out", type=Path, default=Path("results/tiny"), help="the table's folder")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the table from the last runs' summaries")
     args = parser.parse_args(argv)
     summaries, run_ids = {}, {}
     for name in args.settings:
-        folder = run_setting(name, Path("outputs/kernel_spread"), args.steps)
+        folder = Path("outputs/kernel_spread") / name
+        if not args.report_only:
+            run_setting(name, Path("outputs/kernel_spread"), args.steps)
         summaries[name] = pd.read_csv(folder / "summary.csv")
         run_ids[name] = json.loads((folder / "runs.json").read_text())
     for path in write_report(summaries, args.out, run_ids):
