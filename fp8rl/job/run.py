@@ -110,7 +110,8 @@ def _run_in_folder(cfg, env: DistEnv, out_dir: str, layout, tracker, stop_after,
         try:
             device = _device(cfg)
             parts, weights = build_parts(cfg, dims, device)
-            log.info("%s: %s; policy from %s; layout %s", name, out_dir, weights.source, layout.describe())
+            where = layout.describe(cfg.model.device, cfg.rollout.engine)
+            log.info("%s: %s; policy from %s; layout %s", name, out_dir, weights.source, where)
             log_start_weights(tracker, out_dir, weights, env.rank)
             if state is None:  # once per run, at its start
                 tracker.log_datasets(lambda: task_datasets(cfg.task, parts.task.train_problems, parts.task.eval_sets))

@@ -96,7 +96,14 @@ class ParallelLayout:
     def data_parallel(self) -> int:
         return self.trainer_gpus // (self.tensor_parallel * self.pipeline_parallel)
 
-    def describe(self) -> str:
+    def describe(self, device: str = "cuda", engine: str = "vllm") -> str:
+        """One line: where the trainer and the rollout run. On CPU (`device`), only the process grid: the
+        optimizer, recompute and GPU-share settings are a GPU layout's."""
+        if device == "cpu":
+            return (
+                f"{self.world_size} CPU process(es): trainer TP {self.tensor_parallel} x PP {self.pipeline_parallel} "
+                f"x DP {self.data_parallel}, seq {self.max_seq_len}; rollout: the {engine} engine in those processes"
+            )
         rollout = (
             f"vLLM colocated on all {self.world_size} GPUs (TP {self.rollout_tensor_parallel})"
             if self.rollout_placement == "colocated"

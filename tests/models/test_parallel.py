@@ -40,6 +40,13 @@ def test_layout_description_names_every_size() -> None:
     )
 
 
+def test_a_cpu_run_is_described_as_processes_not_gpus() -> None:
+    text = preset_layout("tiny").describe("cpu", "builtin")
+    assert (
+        text == "1 CPU process(es): trainer TP 1 x PP 1 x DP 1, seq 64; rollout: the builtin engine in those processes"
+    )
+
+
 def test_memory_estimate_counts_sharding_recompute_and_the_colocated_engine() -> None:
     model, base = get_model_config("qwen3_8b"), preset_layout("qwen3_8b")
     mem = lambda **kw: estimate_memory_gb(dataclasses.replace(base, **kw), model)  # noqa: E731
