@@ -1,11 +1,16 @@
-"""The ``fp8rl`` command: launch sweeps, compare their runs.
+"""The ``fp8rl`` command: everything a user runs, one subcommand each.
 
+    fp8rl train scale=tiny precision=fp8_full                   # one run (Hydra overrides)
+    fp8rl demo                                                  # BF16 vs FP8 vs FP8 + Calibrated Clipping
     fp8rl sweep grpo_granularity                                # tiny scale, local executor, waits
     fp8rl sweep grpo_granularity --scale paper --launcher slurm --profile example_h100 --dry-run
     fp8rl sweep dapo_table --launcher slurm trainer.seed=0,1,2  # a command-line sweep adds an axis
     fp8rl compare --experiment grpo_granularity-tiny --metrics eval/accuracy,clip/low_neg:mean \\
         --group-by recipe,clipping --out results/grpo_granularity
     fp8rl experiments                                           # what sweeps/experiment/ holds
+    fp8rl report table grpo_granularity                         # a table / figures of results/<scale>/
+    fp8rl study mechanism                                       # a study: mechanism, collapse, kernel-spread
+    fp8rl docs                                                  # regenerate the generated docs tables
 """
 
 from __future__ import annotations
@@ -71,13 +76,66 @@ def _add_compare(sub: Any) -> None:
     p.add_argument("--all", action="store_true", help="include unfinished runs")
 
 
+# Subcommands that hand the rest of the line to a module's own command line (its --help is that module's).
+PASSTHROUGH = {
+    "train": ("fp8rl.train", "one run: Hydra overrides, e.g. scale=tiny precision=fp8_full (python -m fp8rl.train)"),
+    "demo": ("fp8rl.demo", "BF16 vs vanilla FP8 vs FP8 + Calibrated Clipping on the tiny task (make demo)"),
+    "report": ("fp8rl.report.__main__", "tables and figures of results/<scale>/ from MLflow (python -m fp8rl.report)"),
+}
+STUDIES = {
+    "mechanism": "fp8rl.studies.mechanism",
+    "collapse": "fp8rl.studies.collapse",
+    "kernel-spread": "fp8rl.studies.kernel_spread",
+}
+GENERATED_DOCS = ("docs/configuration.md", "docs/metrics.md")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8rl", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, text) in PASSTHROUGH.items():
+        sub.add_parser(name, help=text, add_help=False)
     _add_sweep(sub)
     _add_compare(sub)
     sub.add_parser("experiments", help="list the experiments in sweeps/experiment/")
+    study = sub.add_parser("study", help=f"run a study: {', '.join(STUDIES)} (its own options follow)", add_help=False)
+    study.add_argument("study", choices=list(STUDIES))
+    docs = sub.add_parser("docs", help=f"regenerate {' and '.join(GENERATED_DOCS)} (--check: only compare)")
+    docs.add_argument("--check", action="store_true", help="exit 1 if a generated table is out of date")
     return parser
+
+
+def _passthrough(module_name: str, prog: str, argv: list[str]) -> int:
+    """Run ``module_name``'s command line on `argv`; `fp8rl.train` runs as ``python -m fp8rl.train`` would (Hydra
+    reads sys.argv and finds sweeps/ from ``__main__``'s file)."""
+    import importlib
+    import runpy
+
+    try:
+        if module_name == "fp8rl.train":
+            sys.argv = [prog, *argv]
+            runpy.run_module(module_name, run_name="__main__", alter_sys=True)
+            return 0
+        result = importlib.import_module(module_name).main(argv)
+    except KeyboardInterrupt:  # one line, not a traceback
+        print(
+            "interrupted (Ctrl-C): the run that was training is marked KILLED; the same command resumes it",
+            file=sys.stderr,
+        )
+        return 130
+    return result if isinstance(result, int) else 0
+
+
+def _docs(check: bool) -> int:
+    """The generated docs tables of this checkout (found from the package, whatever the working directory)."""
+    from fp8rl.docs import main as docs_main
+
+    root = Path(__file__).resolve().parents[1]
+    missing = [name for name in GENERATED_DOCS if not (root / name).exists()]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} not found under {root}: `fp8rl docs` runs in a source checkout")
+    docs_main([*(str(root / name) for name in GENERATED_DOCS), "--check" if check else "--write"])
+    return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -121,6 +179,11 @@ def _experiments() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PASSTHROUGH:
+        return _passthrough(PASSTHROUGH[argv[0]][0], f"fp8rl {argv[0]}", argv[1:])
+    if len(argv) >= 2 and argv[0] == "study" and argv[1] in STUDIES:
+        return _passthrough(STUDIES[argv[1]], f"fp8rl study {argv[1]}", argv[2:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and (args.command != "sweep" or any(e.startswith("-") or "=" not in e for e in extra)):
@@ -132,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             return _sweep(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "docs":
+            return _docs(args.check)
         return _experiments()
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)

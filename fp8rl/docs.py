@@ -79,13 +79,13 @@ def has_block(text: str) -> bool:
     return any(begin in text and end in text for begin, end in ((BEGIN, END), (METRICS_BEGIN, METRICS_END)))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("files", type=Path, nargs="+")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true")
     mode.add_argument("--write", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for path in args.files:
         current = path.read_text()
         if not has_block(current):

@@ -68,3 +68,33 @@ def test_a_sweep_on_a_dead_tracking_server_is_refused_in_seconds_without_its_tok
     assert time.monotonic() - started < 60
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in err and "tracking.offline=true" in err and "s3cret" not in err
+
+
+def test_one_command_lists_everything_a_user_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("train", "demo", "sweep", "compare", "experiments", "report", "study", "docs"):
+        assert f"    {command}" in out, command
+
+
+def test_train_and_studies_hand_the_rest_of_the_line_to_their_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    import runpy
+    import sys
+
+    import fp8rl.studies.mechanism
+
+    seen = {}
+    monkeypatch.setattr(runpy, "run_module", lambda name, **kw: seen.update(train=[name, *sys.argv], **kw))
+    monkeypatch.setattr(fp8rl.studies.mechanism, "main", lambda argv: seen.update(study=argv) or 3)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # restored after the test
+    assert main(["train", "scale=tiny", "trainer.steps=2"]) == 0
+    assert seen["train"] == ["fp8rl.train", "fp8rl train", "scale=tiny", "trainer.steps=2"]  # what Hydra reads
+    assert seen["run_name"] == "__main__"  # Hydra finds sweeps/ from the script's file
+    assert main(["study", "mechanism", "--lrs", "1e-6"]) == 3  # the study's exit status
+    assert seen["study"] == ["--lrs", "1e-6"]
+
+
+def test_docs_check_passes_on_the_committed_tables() -> None:
+    assert main(["docs", "--check"]) == 0
