@@ -8,9 +8,14 @@ The trainer is handed a `Tracker`; the maths never imports this module.
   (``mlflow.note.content``), params (credentials in URIs redacted) and tags; a resumed run continues the
   same MLflow run.
 - ``log_metrics`` appends the step's record to the WAL in the run folder (a local append), then hands it
-  to MLflow's asynchronous ``log_batch`` and returns. NaN and inf are logged as such. The WAL is deleted
-  when the run ends with every record confirmed; a run killed in between replays it on resume (steps
-  MLflow already has are skipped, so no step is logged twice).
+  to MLflow's asynchronous ``log_batch`` and returns. NaN and inf are logged as such. A step counts as stored
+  only when its own upload succeeded or MLflow holds it (never because a later step did: a store locked for a
+  while fails some batches while later ones land). The WAL is deleted when the run ends with every step
+  stored; a run killed in between replays it on resume (the steps MLflow holds are skipped, so no step is
+  logged twice).
+- The WAL is bound to its run: its run record carries the config hash, and a WAL written for another config,
+  or naming a run of another config, is moved aside with a message instead of being replayed into it. Replay
+  uploads only files inside the run folder.
 - Offline (store unreachable at start, or lost mid-run): records stay in the WAL; the store is probed
   again every ``RETRY_EVERY_S`` seconds and, once it answers, the run is created (or continued) and the
   WAL is uploaded in order. A run that ends offline leaves its WAL and says how to upload it later
@@ -40,6 +45,7 @@ PARAM_VALUE_LIMIT = 6000
 RETRY_EVERY_S = 30.0
 FINISH_WAIT_S = 120.0
 WAL_NAME = "tracking_wal.jsonl"
+CONFIG_HASH_TAG = "fp8rl.config_hash"  # the tag that says which config a run computes (set by the job)
 DATASET_CONTEXT_TAG = "mlflow.data.context"  # MLflow's standard input tag: training / evaluation
 EXPERIMENT_KIND = "finetuning"  # the MLflow UI's model-training view (not the GenAI one)
 # userinfo runs to the LAST "@" before the host (a password may hold "@"); query secrets by parameter name
@@ -234,7 +240,8 @@ class MlflowTracker:
         self.run_id: str | None = None
         self._client: Any = None
         self._pending: list[tuple[int, Any]] = []  # (step, RunOperations) not yet confirmed
-        self._confirmed_step = -1
+        self._confirmed: set[int] = set()  # steps MLflow holds (their upload succeeded, or it had them)
+        self._refused: set[int] = set()  # steps MLflow refused (a request error: retrying cannot help)
         self._last_probe = 0.0
         self._system_monitor: Any = None
         self.wal_path.parent.mkdir(parents=True, exist_ok=True)
@@ -244,9 +251,29 @@ class MlflowTracker:
             if not offline_ok:
                 raise
             log.warning("tracking store unreachable: training offline, records kept in %s", self.wal_path)
-            self._write_wal({"kind": "start", "spec": _spec_record(spec)})
+            self._set_aside_foreign_wal(self._read_wal())
+            self._write_wal({"kind": "start", "spec": _spec_record(spec), "config_hash": self._config_hash})
             return
-        self._go_online()
+        self._go_online_within(connect_timeout_s)
+
+    def _go_online_within(self, timeout_s: float) -> None:
+        """`_go_online`, retried while the store answers with errors (a sqlite file locked by another writer, a
+        backup) for up to `timeout_s`; then a clear error naming the store."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._go_online()
+                return
+            except Exception as err:  # noqa: BLE001 - MLflow wraps the store's errors in many types
+                self._client = self.run_id = None
+                if time.monotonic() >= deadline:
+                    raise TrackingUnavailable(
+                        f"the MLflow store {redact(self.spec.tracking_uri)} answered but refused to open the run for "
+                        f"{timeout_s:.0f} s ({redact(str(err)).splitlines()[0][:200]}): if another process holds it "
+                        "(a sqlite file locked by a backup or another writer), wait and re-run the same command; "
+                        "or raise tracking.connect_timeout_s, or set tracking.offline=true to train now"
+                    ) from None
+                time.sleep(1.0)
 
     # ------------------------------------------------------------------------------------------ Tracker
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -297,19 +324,20 @@ class MlflowTracker:
             log.warning("could not log the run's data sets: %s", err)
 
     def last_logged_step(self) -> int:
-        return self._confirmed_step
+        return max(self._confirmed, default=-1)
 
     @property
     def online(self) -> bool:
         return self.run_id is not None and self._client is not None
 
     def finish(self, status: str = "FINISHED") -> None:
-        """Wait (bounded) for pending uploads, mark the run, delete the WAL if every record is stored."""
+        """Wait (bounded) until every step is stored (reconnecting and replaying while the store is away or
+        locked), mark the run, and delete the WAL only if every step is stored."""
         if self._system_monitor is not None:
             self._system_monitor.finish()
             self._system_monitor = None
-        if not self.online:
-            self._maybe_reconnect(force=True)
+        intended = status
+        uploaded = self._complete_record(FINISH_WAIT_S)
         if not self.online:
             self._write_wal({"kind": "end", "status": status})
             log.error(
@@ -319,7 +347,8 @@ class MlflowTracker:
                 self.wal_path.parent,
             )
             return
-        uploaded = self._drain(FINISH_WAIT_S)
+        if not uploaded and status == "FINISHED":
+            status = "FAILED"  # FINISHED means a complete record; the WAL keeps the rest for the sync
         try:
             self._client.set_terminated(self.run_id, status=status)
         except Exception as err:  # noqa: BLE001
@@ -328,29 +357,101 @@ class MlflowTracker:
         if uploaded:
             self.wal_path.unlink(missing_ok=True)
         else:
-            log.error("metrics that did not reach MLflow stay in %s (`python -m fp8rl.tracking.sync`)", self.wal_path)
+            missing = sorted(self._wal_steps() - self._confirmed)
+            self._write_wal({"kind": "end", "status": intended})
+            log.error(
+                "steps %s did not reach MLflow (run marked %s); they stay in %s: `python -m fp8rl.tracking.sync %s` "
+                "uploads them and marks the run",
+                _ranges(missing),
+                status,
+                self.wal_path,
+                self.wal_path.parent,
+            )
+
+    def _complete_record(self, timeout_s: float) -> bool:
+        """Drain, reconnect and replay until every WAL step is stored or `timeout_s` has passed. A store that
+        does not answer its probe is not waited for (the WAL keeps the record for `fp8rl.tracking.sync`); one that
+        answers but fails (a locked sqlite file) is retried until the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.online and not self._maybe_reconnect(force=True):
+                return False
+            if self.online:
+                self._drain(max(0.0, deadline - time.monotonic()))
+                if self.online and not self._pending:
+                    missing = self._wal_steps() - self._confirmed - self._refused
+                    if not missing:
+                        return not (self._wal_steps() & self._refused)
+                    if time.monotonic() >= deadline:
+                        return False
+                    self._replay(self._read_wal())  # sent again: their uploads failed while later ones landed
+                    continue
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _wal_steps(self) -> set[int]:
+        return {r["step"] for r in self._read_wal() if r["kind"] == "metrics"}
 
     # ------------------------------------------------------------------------------------------ internals
     def _go_online(self) -> None:
         from mlflow.tracking import MlflowClient
 
         self._client = MlflowClient(tracking_uri=self.spec.tracking_uri)
-        records = self._read_wal()
+        records = self._set_aside_foreign_wal(self._read_wal())
         start = next((r for r in records if r["kind"] == "start"), None)
         resume = self.spec.resume_run_id or next((r["run_id"] for r in records if r["kind"] == "run"), None)
+        if resume is not None and not self.spec.resume_run_id and not self._same_config(resume):
+            records, resume, start = self._move_wal_aside(f"it names MLflow run {resume} of another config"), None, None
         if resume is not None:
             self.run_id = resume
             self._client.update_run(resume, status="RUNNING")
-            self._confirmed_step = _max_logged_step(self._client, resume)
+            self._confirmed = _stored_steps(self._client, resume)
+            if not any(r["kind"] == "run" for r in records):
+                self._write_wal({"kind": "run", "run_id": self.run_id, "config_hash": self._config_hash})
         else:
             self.run_id = self._create_run()
-            self._write_wal({"kind": "run", "run_id": self.run_id})
+            self._confirmed = set()
+            self._write_wal({"kind": "run", "run_id": self.run_id, "config_hash": self._config_hash})
         if start is not None or resume is None:
             self._log_description()
         for key, value in self.spec.attempt_tags.items():
             self._client.set_tag(self.run_id, key, redact(str(value)))
         self._replay(records)
         self._start_system_metrics()
+
+    @property
+    def _config_hash(self) -> str | None:
+        return self.spec.tags.get(CONFIG_HASH_TAG)
+
+    def _same_config(self, run_id: str) -> bool:
+        """Whether MLflow run `run_id` computes this spec's config (no hash on either side: not checkable)."""
+        if self._config_hash is None:
+            return True
+        try:
+            theirs = self._client.get_run(run_id).data.tags.get(CONFIG_HASH_TAG)
+        except Exception:  # noqa: BLE001 - a run the store does not know is not this config's
+            return False
+        return theirs in (None, self._config_hash)
+
+    def _set_aside_foreign_wal(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The WAL's records, or none when they were written for another config (the WAL is then moved aside)."""
+        hashes = {r["config_hash"] for r in records if r.get("config_hash")}
+        if self._config_hash is None or not hashes or hashes == {self._config_hash}:
+            return records
+        return self._move_wal_aside(f"it was written for config {', '.join(sorted(hashes))}")
+
+    def _move_wal_aside(self, why: str) -> list[dict[str, Any]]:
+        kept = self.wal_path.with_name(f"{self.wal_path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.foreign.jsonl")
+        self.wal_path.replace(kept)
+        log.warning(
+            "the tracking log %s is not this run's (%s, this run's config is %s): moved to %s, not replayed",
+            self.wal_path,
+            why,
+            self._config_hash,
+            kept.name,
+        )
+        return []
 
     def _create_run(self) -> str:
         from mlflow.tracking.context.registry import resolve_tags
@@ -379,7 +480,7 @@ class MlflowTracker:
     def _send(self, record: dict[str, Any]) -> None:
         from mlflow.entities import Metric
 
-        if record["step"] <= self._confirmed_step:
+        if record["step"] in self._confirmed or record["step"] in self._refused:
             return
         metrics = [Metric(metric_name(k), v, record["timestamp"], record["step"]) for k, v in record["metrics"].items()]
         try:
@@ -390,15 +491,21 @@ class MlflowTracker:
         self._pending.append((record["step"], operations))
 
     def _collect_finished(self) -> None:
-        """Confirm uploads that completed; a failed one sends the tracker offline (the WAL keeps the data)."""
-        while self._pending and all(f.done() for f in self._pending[0][1]._operation_futures):
-            step, operations = self._pending.pop(0)
+        """Confirm each upload that succeeded; a failed one sends the tracker offline (the WAL keeps the data,
+        and its step is sent again), a refused one is kept apart (it stays in the WAL)."""
+        for entry in [e for e in self._pending if all(f.done() for f in e[1]._operation_futures)]:
+            if entry not in self._pending:  # cleared: the store was lost while collecting
+                return
+            self._pending.remove(entry)
+            step, operations = entry
             try:
                 operations.wait()
             except Exception as err:  # noqa: BLE001
                 if self._on_error(err):
                     return
-            self._confirmed_step = max(self._confirmed_step, step)
+                self._refused.add(step)
+                continue
+            self._confirmed.add(step)
 
     def _drain(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -424,25 +531,38 @@ class MlflowTracker:
         self._client, self._pending = None, []
         self._last_probe = time.monotonic()
 
-    def _maybe_reconnect(self, force: bool = False) -> None:
+    def _maybe_reconnect(self, force: bool = False) -> bool:
+        """Probe the store (every RETRY_EVERY_S, or now if `force`) and go online; returns whether it answered."""
         if not force and time.monotonic() - self._last_probe < RETRY_EVERY_S:
-            return
+            return False
         self._last_probe = time.monotonic()
         try:
             probe_store(self.spec.tracking_uri, timeout_s=5.0)
         except TrackingUnavailable:
-            return
+            return False
         log.info("MLflow store reachable again: uploading %s", self.wal_path)
-        self._go_online()
+        try:
+            self._go_online()
+        except Exception as err:  # noqa: BLE001 - reachable but not answering (a locked sqlite file): later
+            self._lose_store(err)
+        return True
 
     def _replay(self, records: list[dict[str, Any]]) -> None:
         for record in records:
             if record["kind"] == "metrics":
                 self._send(record)
-            elif record["kind"] == "artifact" and Path(record["path"]).exists():
+            elif record["kind"] == "artifact" and self._inside_run_folder(record["path"]):
                 self.log_artifact(record["path"], record.get("artifact_path"))
             elif record["kind"] == "datasets":
                 self._log_dataset_records(record["datasets"])
+
+    def _inside_run_folder(self, path: str) -> bool:
+        """Replay uploads only the run folder's own files (a planted record must not upload /etc/passwd)."""
+        resolved, folder = Path(path).resolve(), self.wal_path.parent.resolve()
+        if resolved.is_relative_to(folder) and resolved.is_file():
+            return True
+        log.warning("not uploading %s: the tracking log may only name files inside %s", path, folder)
+        return False
 
     def _start_system_metrics(self) -> None:
         if not self.spec.system_metrics or self._system_monitor is not None:
@@ -479,15 +599,27 @@ def read_wal(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _max_logged_step(client: Any, run_id: str) -> int:
-    """The highest step MLflow holds for the run's own metrics (MLflow's system metrics count their own
-    samples, and evaluation metrics skip steps, so every key is read)."""
+def _stored_steps(client: Any, run_id: str) -> set[int]:
+    """The steps MLflow holds for the run's own metrics (MLflow's system metrics count their own samples, and
+    evaluation metrics skip steps, so every key is read). One step is one ``log_batch``, which the SQL store
+    writes in one transaction: any of its metrics stored means all of them are."""
     run = client.get_run(run_id)
-    steps = [-1]
+    steps: set[int] = set()
     for key in run.data.metrics:
         if not key.startswith("system/"):
-            steps.extend(m.step for m in client.get_metric_history(run_id, key))
-    return max(steps)
+            steps.update(m.step for m in client.get_metric_history(run_id, key))
+    return steps
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3-5, 9"``."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans) or "none"
 
 
 def metric_name(key: str) -> str:

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fp8rl.tracking.mlflow_tracker import ensure_experiment, resolve_tracking_uri
+from fp8rl.tracking.mlflow_tracker import CONFIG_HASH_TAG, ensure_experiment, resolve_tracking_uri
 
-HASH_TAG = "fp8rl.config_hash"
+HASH_TAG = CONFIG_HASH_TAG
 SWEEP_TAG = "fp8rl.sweep"
 ROLE_TAG = "fp8rl.role"
 PARENT_ROLE = "sweep"

@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from fp8rl.tracking import MlflowTracker, RunSpec, TrackingUnavailable, probe_store, redact
-from fp8rl.tracking.mlflow_tracker import WAL_NAME, metric_name, read_wal
+from fp8rl.tracking.mlflow_tracker import CONFIG_HASH_TAG, WAL_NAME, metric_name, read_wal
 
 
 def _spec(uri: str, **changes) -> RunSpec:
@@ -238,3 +238,151 @@ def test_a_sqlite_stores_artifacts_stay_beside_it_whatever_the_working_directory
     run = client.create_run(experiment.experiment_id)
     client.log_text(run.info.run_id, "hello", "note.txt")
     assert any((store.parent / "mlruns" / "a_sweep_x").rglob("note.txt")) and not (elsewhere / "mlruns").exists()
+
+
+# ------------------------------------------------------------------------------------ the record under faults
+def _failing_uploads(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
+    """The async uploads of `steps` fail as a locked sqlite store fails them, while later steps' land."""
+    from concurrent.futures import Future
+
+    from mlflow.utils.async_logging.run_operations import RunOperations
+
+    original = MlflowClient.log_batch
+    failed_once: set[int] = set()
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=(), synchronous=None, **kw):
+        step = metrics[0].step if metrics else None
+        if synchronous is False and step in steps and step not in failed_once:
+            failed_once.add(step)
+            future: Future = Future()
+            future.set_exception(RuntimeError("(sqlite3.OperationalError) database is locked"))
+            return RunOperations([future])
+        return original(self, run_id, metrics=metrics, params=params, tags=tags, synchronous=synchronous, **kw)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", log_batch)
+
+
+def test_steps_whose_upload_failed_are_sent_again_though_later_steps_landed(
+    tmp_path: Path, sqlite_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28's locked store: steps 3-4 failed while 5-6 landed; MLflow's highest step said "all stored",
+    the WAL was deleted and the run marked FINISHED without them."""
+    from fp8rl.tracking import mlflow_tracker
+
+    monkeypatch.setattr(mlflow_tracker, "RETRY_EVERY_S", 0.0)
+    _failing_uploads(monkeypatch, {3, 4})
+    tracker = MlflowTracker(_spec(sqlite_uri), tmp_path, connect_timeout_s=5, offline_ok=False)
+    for step in range(1, 7):
+        tracker.log_metrics({"m": float(step)}, step)
+    tracker.finish()
+    client = MlflowClient(sqlite_uri)
+    assert _steps(client, tracker.run_id, "m") == [1, 2, 3, 4, 5, 6]
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert not (tmp_path / WAL_NAME).exists()
+
+
+def test_a_record_still_incomplete_at_the_end_is_not_finished_and_keeps_its_log(
+    tmp_path: Path, sqlite_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fp8rl.tracking import mlflow_tracker
+
+    monkeypatch.setattr(mlflow_tracker, "FINISH_WAIT_S", 0.5)
+    tracker = MlflowTracker(_spec(sqlite_uri), tmp_path, connect_timeout_s=5, offline_ok=False)
+    tracker.log_metrics({"m": 1.0}, 1)
+    tracker._drain(30)
+    monkeypatch.setattr(tracker, "_send", lambda record: None)  # step 2 never reaches the store
+    tracker.log_metrics({"m": 2.0}, 2)
+    tracker.finish()
+    client = MlflowClient(sqlite_uri)
+    assert client.get_run(tracker.run_id).info.status == "FAILED"  # not FINISHED, not left RUNNING
+    records = read_wal(tmp_path / WAL_NAME)
+    assert records[-1] == {"kind": "end", "status": "FINISHED"}  # what the sync marks once it has uploaded
+    assert 2 in {r["step"] for r in records if r["kind"] == "metrics"}
+
+
+def test_a_log_written_for_another_config_is_moved_aside_not_replayed(tmp_path: Path, sqlite_uri: str) -> None:
+    """Issue 28: a crash before the first checkpoint, then the same run folder with another lr: the new
+    metrics went into the old run."""
+    old = MlflowTracker(_spec(sqlite_uri, tags={CONFIG_HASH_TAG: "aaaa"}), tmp_path, 5, offline_ok=False)
+    old.log_metrics({"m": 1.0}, 1)
+    old._drain(30)  # killed here: the log stays, the run stays RUNNING
+    new = MlflowTracker(_spec(sqlite_uri, tags={CONFIG_HASH_TAG: "bbbb"}), tmp_path, 5, offline_ok=False)
+    assert new.run_id != old.run_id
+    new.log_metrics({"m": 10.0}, 1)
+    new.finish()
+    client = MlflowClient(sqlite_uri)
+    assert [m.value for m in client.get_metric_history(old.run_id, "m")] == [1.0]
+    assert [m.value for m in client.get_metric_history(new.run_id, "m")] == [10.0]
+    assert len(list(tmp_path.glob("tracking_wal.*.foreign.jsonl"))) == 1
+
+
+def test_a_log_naming_a_run_of_another_config_does_not_reopen_it(tmp_path: Path, sqlite_uri: str) -> None:
+    client = MlflowClient(sqlite_uri)
+    other = client.create_run(client.create_experiment("other"), tags={CONFIG_HASH_TAG: "cccc"}).info.run_id
+    (tmp_path / WAL_NAME).write_text(json.dumps({"kind": "run", "run_id": other}) + "\n")  # planted or stale
+    tracker = MlflowTracker(_spec(sqlite_uri, tags={CONFIG_HASH_TAG: "dddd"}), tmp_path, 5, offline_ok=False)
+    assert tracker.run_id != other
+    tracker.finish()
+    assert client.get_run(other).info.status == "RUNNING" and not client.get_run(other).data.metrics
+
+
+def test_replay_uploads_only_files_inside_the_run_folder(tmp_path: Path, sqlite_uri: str) -> None:
+    own = tmp_path / "run" / "notes.txt"
+    own.parent.mkdir()
+    own.write_text("ours")
+    planted = tmp_path / "secret.txt"
+    planted.write_text("not the run's")
+    lines = [{"kind": "artifact", "path": str(p), "artifact_path": None} for p in (own, planted, Path("/etc/passwd"))]
+    (own.parent / WAL_NAME).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tracker = MlflowTracker(_spec(sqlite_uri), own.parent, 5, offline_ok=False)
+    tracker.finish()
+    names = {a.path for a in MlflowClient(sqlite_uri).list_artifacts(tracker.run_id)}
+    assert names == {"notes.txt"}
+
+
+def test_a_store_locked_at_start_is_a_clear_error_not_a_raw_database_error(tmp_path: Path, sqlite_uri: str) -> None:
+    import sqlite3
+
+    MlflowClient(sqlite_uri).search_experiments()  # the schema exists
+    holder = sqlite3.connect(sqlite_uri.removeprefix("sqlite:///"))
+    holder.execute("BEGIN EXCLUSIVE")  # a backup or another writer holds the file
+    try:
+        with pytest.raises(TrackingUnavailable, match="refused to open the run.*wait and re-run the same command"):
+            MlflowTracker(_spec(sqlite_uri), tmp_path, connect_timeout_s=1, offline_ok=False)
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_a_store_locked_for_40_s_mid_run_loses_no_step(tmp_path: Path, sqlite_uri: str, monkeypatch) -> None:
+    """Issue 28's probe as it was run: another writer holds the sqlite file for 40 s while the run logs a step a
+    second. Before: steps 3-12 never reached MLflow, the WAL was deleted and the run marked FINISHED."""
+    import sqlite3
+    import threading
+
+    from fp8rl.tracking import mlflow_tracker
+
+    monkeypatch.setattr(mlflow_tracker, "RETRY_EVERY_S", 1.0)
+    tracker = MlflowTracker(_spec(sqlite_uri), tmp_path / "run", connect_timeout_s=5, offline_ok=False)
+
+    def hold(seconds: float) -> None:
+        holder = sqlite3.connect(sqlite_uri.removeprefix("sqlite:///"), timeout=30)
+        holder.execute("BEGIN EXCLUSIVE")
+        time.sleep(seconds)
+        holder.rollback()
+        holder.close()
+
+    locker = threading.Thread(target=hold, args=(40.0,))
+    for step in range(1, 61):
+        if step == 3:
+            locker.start()
+            time.sleep(0.2)
+        tracker.log_metrics({"m": float(step)}, step)
+        time.sleep(1.0)
+    locker.join()
+    tracker.finish()
+    client = MlflowClient(sqlite_uri)
+    assert _steps(client, tracker.run_id, "m") == list(range(1, 61))
+    assert client.get_run(tracker.run_id).info.status == "FINISHED" and not (tmp_path / "run" / WAL_NAME).exists()
