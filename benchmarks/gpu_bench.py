@@ -1,26 +1,31 @@
-"""The measurements of `benchmarks/gpu_check.sh` on one GPU, as ratios taken side by side in one run.
+"""The measurements of `benchmarks/gpu_check.sh` on one GPU, each section in its own process under its own timeout.
 
-Sections (each runs if its stack imports, else is reported as skipped with the reason; one failing
-section is reported with its error and does not stop the others):
+Sections, in order (`SECTIONS`; the first five are required for a pass, the rest need Transformer Engine or vLLM
+and are reported as skipped on a host without them):
 
-0. ``environment``: `fp8rl.models.te_recipes.gpu_environment_report` (device, compute capability, CUDA,
-   TE / torchao / megatron / vLLM versions) and `check_gpu_environment` per recipe on the TE backend.
-1. ``parity``: the emulator (fp8rl.quant) against the GPU's own FP8 GEMM (``torch._scaled_mm``) on
-   identically quantized operands, tensorwise and rowwise: needs only torch.
-2. ``train_step``: a training step (forward, backward, Adam) of a Qwen3-8B-shaped layer stack (a few
-   layers, random weights, BF16 parameters) in BF16 vs FP8 tensorwise vs FP8 blockwise through
-   megatron's Transformer Engine spec (`fp8rl.models.te_backend`). Without megatron/TE, a fallback
-   times the same GEMM shapes with ``torch._scaled_mm`` (tensorwise only) and says so in the report.
-   Targets: tensorwise >= 1.3x, blockwise >= 1.1x BF16 throughput.
-3. ``vllm``: vLLM decode throughput BF16 vs FP8 (online per-tensor quantization, ``fp8_per_tensor``:
-   vLLM 0.32's ``quantization="fp8"`` refuses a BF16 checkpoint) on a small Qwen3-shaped model with random
-   weights written as an HF folder; in-process, ``enforce_eager=True``, each engine shut down explicitly
-   before the next starts. Target: FP8 >= 1.2x.
-4. ``mismatch``: one RL step of the tiny task with vLLM FP8 rollout and the FP8 trainer (TE):
-   ``rollout/token_mult_prob_error``, ``rollout/k3_kl``, ``rollout/abs_logp_diff``.
+- ``environment``: the device, torch / CUDA, which modules import, the GPU bundle, ``check_gpu_environment`` per
+  TE recipe (information, not scored).
+- ``probe``, ``quantizers``, ``gemm``, ``train_step``, ``rl``: `gpu_sections` (torch + the bundle: torchao,
+  megatron-core, math-verify).
+- ``gpu_tests``: the GPU-marked tests (pytest, JUnit counts).
+- ``te_train_step``: BF16 vs FP8 tensorwise vs blockwise training steps through megatron's Transformer Engine spec
+  (targets: tensorwise >= 1.3x, blockwise >= 1.1x BF16 throughput).
+- ``vllm``: vLLM decode BF16 vs FP8 (``fp8_per_tensor``) on a small Qwen3-shaped model, in-process,
+  ``enforce_eager=True`` (target: 1.2x).
+- ``mismatch``: one RL step with vLLM FP8 rollout and the TE FP8 trainer: ``rollout/token_mult_prob_error``, ...
 
-Writes ``gpu_check.json`` and ``gpu_check.md`` (with provenance) into ``--out`` after every section, so
-that a run stopped by its timeout keeps what finished.
+Each section's status: **passed** (every check held, on a GPU), **rehearsed** (every check held on the CPU of a
+machine without a GPU: the code ran, nothing about a GPU was measured), **failed** (an error, a timeout, or a check
+that did not hold), **skipped** (its stack or device is missing; the reason is given). The overall verdict
+(`verdict`): **failed** if any section failed; **measured nothing on a GPU** if no section passed on a GPU (a CPU
+rehearsal ends here, exit 3); **partial** if a required section did not pass (exit 4); else **passed** (exit 0).
+
+Without a GPU every section that can runs its CPU part (the rehearsal): the probe and the GEMM check on the CPU's
+``torch._scaled_mm``, the quantizers CPU against CPU, the train step on torchao's emulation with the tiny preset's
+shapes, the RL arms on the CPU only. Writes ``gpu_check.json`` and ``gpu_check.md`` (provenance, no local paths)
+into ``--out`` after every section, so that a run stopped by its timeout keeps what finished.
+
+    python benchmarks/gpu_bench.py --out results/gpu [--sections probe,gemm] [--budget-s 500]
 """
 
 from __future__ import annotations
@@ -30,18 +35,25 @@ import gc
 import importlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_sections  # noqa: E402
 from _provenance import write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGETS = {"train_step tensorwise": 1.3, "train_step blockwise": 1.1, "vllm decode fp8": 1.2}
 
@@ -78,38 +90,6 @@ def cuda_time(fn, repeats: int, warmup: int = 2) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1000)
     return sorted(times)[len(times) // 2]
-
-
-# ----------------------------------------------------------------------------------------- 1. parity
-def parity() -> dict[str, Any]:
-    """fp8rl's dequantized FP32 product vs ``torch._scaled_mm`` on the same FP8 codes and scales.
-
-    Both multiply identical FP8 operands; the tensor cores accumulate with >= 14-bit partial sums promoted
-    to FP32 (2^-7 relative to sum |a||b|, DeepSeek-V3 3.3.2); rowwise scaled_mm returns BF16 (+2^-8).
-    """
-    from fp8rl.quant import quantize
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    m, k, n = 512, 4096, 1024
-    x = torch.randn(m, k, device="cuda", generator=gen)
-    x[:, :8] *= 40  # outlier channels
-    w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
-    out = {}
-    for granularity, name, out_dtype, extra in (
-        ("tensor", "tensorwise", torch.float32, 0.0),
-        ("row", "rowwise", torch.bfloat16, 2.0**-8),
-    ):
-        qx, qw = quantize(x, "e4m3", granularity), quantize(w, "e4m3", granularity)
-        sx = qx.scale.reshape(-1, 1) if granularity == "row" else qx.scale
-        sw_cols = qw.scale.reshape(-1, 1) if granularity == "row" else qw.scale  # per output row of w
-        sw = qw.scale.reshape(1, -1) if granularity == "row" else qw.scale  # scaled_mm's (1, n) layout
-        ours = (qx.data.float() * sx) @ (qw.data.float() * sw_cols).t()
-        theirs = torch._scaled_mm(qx.data, qw.data.t(), scale_a=sx.float(), scale_b=sw.float(), out_dtype=out_dtype)
-        magnitude = (qx.data.float().abs() * sx) @ (qw.data.float().abs() * sw_cols).t()
-        rel = ((ours - theirs.float()).abs() / magnitude.clamp_min(1e-30)).max().item()
-        bound = 2.0**-7 + (k + 6) * 2.0**-24 + extra
-        out[name] = {"max_error_over_abs_product": rel, "bound": bound, "ok": rel <= bound}
-    return out
 
 
 # ------------------------------------------------------------------------------------- 2. train step
@@ -154,45 +134,6 @@ def train_step_te(layers: int, seq: int, micro: int, repeats: int) -> dict[str, 
         parallel_state.destroy_model_parallel()
     return {
         "backend": "megatron TE spec",
-        "layers": layers,
-        "seq": seq,
-        "micro_batch": micro,
-        "seconds": seconds,
-        "speedup": {k: seconds["bf16"] / v for k, v in seconds.items()},
-    }
-
-
-def train_step_torch(layers: int, seq: int, micro: int, repeats: int) -> dict[str, Any]:
-    """Fallback without megatron/TE: the stack's GEMMs (QKV, proj, FC1, FC2) fwd + bwd, BF16 vs FP8 tensorwise."""
-    cfg = qwen3_8b_stack(layers)
-    h, f, heads = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
-    qkv = (heads + 2 * cfg.num_query_groups) * cfg.kv_channels
-    shapes = [(qkv, h), (h, heads * cfg.kv_channels), (2 * f, h), (h, f)] * layers
-    weights = [torch.randn(o, i, device="cuda", dtype=torch.bfloat16) / i**0.5 for o, i in shapes]
-    x = torch.randn(micro * seq, h, device="cuda", dtype=torch.bfloat16)
-    e4m3 = torch.float8_e4m3fn
-
-    def fp8_mm(a, b):  # a (m, k) @ b (n, k).t(), both quantized per tensor
-        sa, sb = a.abs().amax().float() / 448, b.abs().amax().float() / 448
-        qa, qb = (a / sa).to(e4m3), (b / sb).to(e4m3)
-        return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-
-    def run(fp8: bool):
-        def go():
-            for w in weights:
-                inp = (
-                    x if w.shape[1] == h else torch.empty(micro * seq, w.shape[1], device="cuda", dtype=torch.bfloat16)
-                )
-                y = fp8_mm(inp, w) if fp8 else inp @ w.t()
-                dy = torch.ones_like(y)
-                (fp8_mm(dy, w.t().contiguous()) if fp8 else dy @ w)  # dgrad
-                (fp8_mm(dy.t().contiguous(), inp.t().contiguous()) if fp8 else dy.t() @ inp)  # wgrad
-
-        return go
-
-    seconds = {"bf16": cuda_time(run(False), repeats), "tensorwise": cuda_time(run(True), repeats)}
-    return {
-        "backend": "torch._scaled_mm fallback (GEMMs only, no TE)",
         "layers": layers,
         "seq": seq,
         "micro_batch": micro,
@@ -311,21 +252,6 @@ def vllm_decode(repeats: int) -> dict[str, Any]:
     return out
 
 
-def environment() -> dict[str, Any]:
-    """This host's stack and which recipes the TE backend can run here (`check_gpu_environment`)."""
-    from fp8rl.models.te_recipes import check_gpu_environment, gpu_environment_report
-
-    report = gpu_environment_report()
-    checks = {}
-    for recipe in ("tensorwise", "blockwise", "mxfp8"):
-        try:
-            check_gpu_environment(recipe, "te", report)
-            checks[recipe] = "ok"
-        except ValueError as err:
-            checks[recipe] = str(err)
-    return {**report, "te_recipes": checks}
-
-
 # --------------------------------------------------------------------------------------- 4. mismatch
 MISMATCH_RUN = {  # one RL step of the tiny model: vLLM FP8 rollout, TE FP8 trainer, token TIS
     "model.device": "cuda",
@@ -359,36 +285,262 @@ def mismatch() -> dict[str, Any]:
     return {k: metrics[k] for k in keys if k in metrics}
 
 
-SECTION_NAMES = ("environment", "parity", "train_step", "vllm", "mismatch")
+def environment() -> dict[str, Any]:
+    """This host's stack: device, torch, which modules import, the bundle, and which TE recipes could run here."""
+    import platform
 
+    from fp8rl.models.te_recipes import check_gpu_environment, gpu_environment_report
 
-def section_runners(args: argparse.Namespace) -> dict[str, Callable[[], dict[str, Any]]]:
-    """name -> a callable returning the section's result; {"skipped": reason} when its stack is missing."""
-
-    def needs(modules: tuple[str, ...], fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-        def run() -> dict[str, Any]:
-            reason = have(*modules)
-            return {"skipped": reason} if reason else fn()
-
-        return run
-
-    def train_step() -> dict[str, Any]:
-        missing = have("megatron.core", "transformer_engine")
-        fn = train_step_torch if missing else train_step_te
-        result = fn(args.layers, args.seq, args.micro, args.repeats)
-        gc.collect()  # the stack's model and optimizer are gone with the call: return their memory
-        torch.cuda.empty_cache()
-        if missing:
-            result["note"] = f"TE path skipped ({missing})"
-        return result
-
+    report = gpu_environment_report()
+    te = {}
+    for recipe in ("tensorwise", "blockwise", "mxfp8"):
+        try:
+            check_gpu_environment(recipe, "te", report)
+            te[recipe] = "ok"
+        except ValueError as err:
+            te[recipe] = str(err)
+    modules = {}
+    for module in (
+        "megatron.core",
+        "torchao",
+        "math_verify",
+        "triton",
+        "transformers",
+        "pytest",
+        "transformer_engine",
+        "vllm",
+        "hydra",
+        "mlflow",
+        "rich",
+    ):
+        modules[module] = have(module) or "yes"
     return {
-        "environment": environment,
-        "parity": parity,
-        "train_step": train_step,
-        "vllm": needs(("vllm",), lambda: vllm_decode(args.repeats)),
-        "mismatch": needs(("vllm", "transformer_engine", "megatron.core"), mismatch),
+        "info": True,
+        "python": platform.python_version(),
+        **report,
+        "device_name": report.get("device"),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30
+        if torch.cuda.is_available()
+        else None,
+        "modules": modules,
+        "bundle": os.environ.get("FP8RL_GPU_BUNDLE", "not reported (gpu_bench.py run without gpu_check.sh)"),
+        "te_recipes": te,
     }
+
+
+# ------------------------------------------------------------------------------------------- 5. gpu tests
+GPU_TEST_FILES = ("tests/quant/test_te_parity.py", "tests/models/test_te_backend.py", "tests/trainer/test_gpu_step.py")
+
+
+def junit_summary(path: Path) -> dict[str, Any]:
+    """Counts of a JUnit XML report (pytest's) and the distinct skip reasons."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    counts["skipped_tests"] = counts.pop("skipped")  # "skipped" is a result's skip reason
+    reasons = sorted({(e.get("message") or "").strip()[:200] for e in root.iter("skipped")})
+    failed = [
+        f"{c.get('classname')}.{c.get('name')}"
+        for c in root.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped_tests"]
+    return {**counts, "skip_reasons": reasons, "failed_tests": failed}
+
+
+def gpu_tests(out: Path, timeout_s: float) -> dict[str, Any]:
+    """The GPU-marked tests, as their own pytest process (a hang is cut at `timeout_s`)."""
+    reason = have("pytest")
+    if reason:
+        return {"skipped": reason}
+    junit = out / "gpu_tests.xml"
+    junit.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        "--junitxml",
+        str(junit),
+        *GPU_TEST_FILES,
+    ]
+    with open(out / "gpu_tests.log", "w") as log:
+        code = run_child(cmd, timeout_s, stdout=log)
+    if code == "timeout":
+        return {"error": f"timed out after {timeout_s:.0f} s (log: gpu_tests.log)"}
+    if not junit.is_file():
+        return {"error": f"pytest exited {code} without a JUnit report (log: gpu_tests.log)"}
+    summary = {"device": "cuda" if torch.cuda.is_available() else "cpu", "pytest_exit": code, **junit_summary(junit)}
+    if summary["failures"] or summary["errors"]:
+        summary["error"] = f"{summary['failures']} failed, {summary['errors']} errors: {summary['failed_tests'][:5]}"
+    elif summary["passed"] == 0:
+        return {"skipped": "every GPU test skipped: " + "; ".join(summary["skip_reasons"])[:600], **summary}
+    summary["checks"] = [gpu_sections.check("no GPU test failed", not (summary["failures"] or summary["errors"]))]
+    return summary
+
+
+# ------------------------------------------------------------------------------------------- the driver
+@dataclass(frozen=True)
+class Section:
+    """A section: its runner (called in the section's own process), what it needs and how long it may take."""
+
+    name: str
+    run: Callable[[argparse.Namespace, str], dict[str, Any]]
+    timeout_s: float  # on one H200 (the driver gives a section no more than what the budget has left)
+    needs: tuple[str, ...] = ()  # modules that must import
+    cuda_only: bool = False  # False: runs its CPU part on a machine without a GPU (the rehearsal)
+    required: bool = False  # required for an overall pass
+
+
+def _te_train_step(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    result = train_step_te(args.layers, args.seq, args.micro, args.repeats)
+    targets = verdicts({"te_train_step": result})
+    result["checks"] = [
+        gpu_sections.check(f"{k}: {v['ratio']:.2f}x >= {v['target']}x", v["met"]) for k, v in targets.items()
+    ]
+    return {"device": device, **result}
+
+
+def _vllm(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    result = vllm_decode(args.repeats)
+    targets = verdicts({"vllm": result})
+    result["checks"] = [
+        gpu_sections.check(f"{k}: {v['ratio']:.2f}x >= {v['target']}x", v["met"]) for k, v in targets.items()
+    ]
+    return {"device": device, **result}
+
+
+def _mismatch(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    metrics = mismatch()
+    return {
+        "device": device,
+        "metrics": metrics,
+        "checks": [gpu_sections.check("mismatch metrics measured", bool(metrics))],
+    }
+
+
+SECTIONS: dict[str, Section] = {
+    s.name: s
+    for s in (
+        Section("environment", lambda a, d: environment(), 60),
+        Section("probe", lambda a, d: gpu_sections.probe(d), 60, required=True),
+        Section("quantizers", lambda a, d: gpu_sections.quantizers(d), 150, required=True),
+        Section("gemm", lambda a, d: gpu_sections.gemm(d), 90, required=True),
+        Section(
+            "train_step",
+            lambda a, d: gpu_sections.train_step(d, a.layers, a.seq, a.micro, a.repeats),
+            240,
+            needs=("torchao",),
+            required=True,
+        ),
+        Section(
+            "rl",
+            lambda a, d: gpu_sections.rl(d, a.rl_steps),
+            180,
+            needs=("megatron.core", "math_verify"),
+            required=True,
+        ),
+        Section("gpu_tests", lambda a, d: {}, 120),  # run by the driver itself (pytest is its own process)
+        Section("te_train_step", _te_train_step, 150, needs=("megatron.core", "transformer_engine"), cuda_only=True),
+        Section("vllm", _vllm, 150, needs=("vllm",), cuda_only=True),
+        Section("mismatch", _mismatch, 120, needs=("vllm", "transformer_engine", "megatron.core"), cuda_only=True),
+    )
+}
+SECTION_NAMES = tuple(SECTIONS)
+REQUIRED = tuple(n for n, s in SECTIONS.items() if s.required)
+
+
+def run_child(cmd: list[str], timeout_s: float, **popen: Any) -> int | str:
+    """Run `cmd` in its own process group; "timeout" (the group killed) when it outlives `timeout_s`."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        return proc.wait(timeout=max(timeout_s, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return "timeout"
+
+
+def section_in_child(name: str, args: argparse.Namespace, timeout_s: float) -> dict[str, Any]:
+    """Run section `name` in a fresh process (its own CUDA context, compile caches, megatron state)."""
+    with tempfile.TemporaryDirectory(prefix="fp8rl-gpu-section-") as tmp:
+        result_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--run-section", name, "--result", str(result_file)]
+        cmd += [f"--layers={args.layers}", f"--seq={args.seq}", f"--micro={args.micro}", f"--repeats={args.repeats}"]
+        cmd += [f"--rl-steps={args.rl_steps}"]
+        code = run_child(cmd, timeout_s)
+        if code == "timeout":
+            return {"error": f"timed out after {timeout_s:.0f} s"}
+        if not result_file.is_file():
+            return {"error": f"the section's process exited {code} without a result"}
+        return json.loads(result_file.read_text())
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """In the section's process: run it; a Skip or an exception becomes its result."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return SECTIONS[name].run(args, device)
+    except gpu_sections.Skip as skip:
+        return {"skipped": str(skip)}
+    except Exception as err:  # noqa: BLE001 - reported, and the other sections still run
+        return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+
+
+def precheck(section: Section) -> str | None:
+    """Why `section` cannot run on this host (checked in the driver: no process is started for it)."""
+    if section.cuda_only and not torch.cuda.is_available():
+        return "needs a CUDA device (none found)"
+    return have(*section.needs)
+
+
+def status(result: dict[str, Any]) -> str:
+    """passed / rehearsed / failed / skipped / info of one section's result."""
+    if "error" in result:
+        return "failed"
+    if "skipped" in result:
+        return "skipped"
+    if not all(c.get("ok") for c in result.get("checks", [])):
+        return "failed"
+    if result.get("info"):
+        return "info"
+    return "passed" if result.get("device") == "cuda" else "rehearsed"
+
+
+def verdict(results: dict[str, Any], required: tuple[str, ...] = REQUIRED) -> dict[str, Any]:
+    """The overall verdict: failed > measured nothing on a GPU > partial > passed (module docstring)."""
+    states = {name: status(r) for name, r in results.items()}
+    failed = [n for n, s in states.items() if s == "failed"]
+    on_gpu = [n for n, s in states.items() if s == "passed"]
+    not_passed = [n for n in required if states.get(n) != "passed"]
+    if failed:
+        word = "failed"
+    elif not on_gpu:
+        word = "measured nothing on a GPU"
+    elif not_passed:
+        word = "partial"
+    else:
+        word = "passed"
+    return {
+        "verdict": word,
+        "statuses": states,
+        "failed": failed,
+        "passed_on_gpu": on_gpu,
+        "required_not_passed": not_passed,
+    }
+
+
+EXIT_CODES = {"passed": 0, "failed": 1, "measured nothing on a GPU": 3, "partial": 4}
 
 
 def run_sections(
@@ -407,17 +559,42 @@ def run_sections(
         except Exception as err:  # noqa: BLE001 - one broken section must not hide the others
             results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
         results[name]["wall_s"] = time.perf_counter() - t
-        print(f"{name}: {json.dumps(results[name], default=str)[:400]}", flush=True)
+        results[name]["status"] = status(results[name])
+        print(f"{name}: {results[name]['status']} {json.dumps(scrub(results[name]), default=str)[:300]}", flush=True)
         if write is not None:
             write(results)
     return results
 
 
+def driver_runners(args: argparse.Namespace, out: Path, deadline: float) -> dict[str, Callable[[], dict[str, Any]]]:
+    """name -> a callable running the section in its own process within the time left before `deadline`."""
+    reserve_s = 5.0  # for the last report write
+
+    def runner(name: str) -> Callable[[], dict[str, Any]]:
+        def go() -> dict[str, Any]:
+            section = SECTIONS[name]
+            reason = precheck(section)
+            if reason:
+                return {"skipped": reason}
+            left = deadline - time.monotonic() - reserve_s
+            if left < 10:
+                return {"skipped": f"the check's time budget was spent before this section ({left:.0f} s left)"}
+            timeout = min(section.timeout_s, left)
+            if name == "gpu_tests":
+                return gpu_tests(out, timeout)
+            return section_in_child(name, args, timeout)
+
+        return go
+
+    return {name: runner(name) for name in SECTIONS}
+
+
+# ------------------------------------------------------------------------------------------- the report
 def verdicts(results: dict[str, Any]) -> dict[str, Any]:
-    """Ratios against the targets; the GEMM-only fallback is no training step and is not scored."""
+    """The TE training step's and vLLM's ratios against the issue targets (torchao's are reported, not scored)."""
     out = {}
-    train_step = results.get("train_step", {})
-    speed = train_step.get("speedup", {}) if train_step.get("backend") == "megatron TE spec" else {}
+    te = results.get("te_train_step", {})
+    speed = te.get("speedup", {}) if te.get("backend") == "megatron TE spec" else {}
     for recipe in ("tensorwise", "blockwise"):
         if recipe in speed:
             out[f"train_step {recipe}"] = {
@@ -431,22 +608,175 @@ def verdicts(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def markdown(results: dict[str, Any], targets: dict[str, Any], prov: dict[str, str], device: str) -> str:
+def local_paths() -> list[tuple[str, str]]:
+    """(absolute path of this machine, what the report says instead), longest first."""
+    pairs = {
+        str(ROOT): "<repo>",
+        sys.prefix: "<python>",
+        sys.base_prefix: "<python>",
+        tempfile.gettempdir(): "<tmp>",
+        str(Path.home()): "~",
+    }
+    for extra in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if extra and os.path.isabs(extra) and extra not in pairs:
+            pairs[extra] = "<pythonpath>"
+    return sorted(((k, v) for k, v in pairs.items() if k not in ("", "/")), key=lambda kv: -len(kv[0]))
+
+
+def scrub(value: Any, paths: list[tuple[str, str]] | None = None) -> Any:
+    """`value` with this machine's absolute paths replaced (tracebacks, error texts, environment strings)."""
+    paths = local_paths() if paths is None else paths
+    if isinstance(value, str):
+        for path, name in paths:
+            value = value.replace(path, name)
+        return value
+    if isinstance(value, dict):
+        return {k: scrub(v, paths) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [scrub(v, paths) for v in value]
+    return value
+
+
+def fmt(value: Any, spec: str = ".3g") -> str:
+    return "-" if value is None else format(value, spec) if isinstance(value, int | float) else str(value)
+
+
+def summary_line(name: str, r: dict[str, Any]) -> str:
+    """One line per section for the report's table."""
+    if "error" in r:
+        return "error: " + r["error"].splitlines()[0][:200]
+    if "skipped" in r:
+        return "skipped: " + r["skipped"][:200]
+    bad = [c["what"] for c in r.get("checks", []) if not c.get("ok")]
+    if bad:
+        return "did not hold: " + "; ".join(bad)[:300]
+    if name == "environment":
+        memory = r.get("gpu_memory_gib")
+        return f"{r.get('device')}: torch {r.get('torch')}, CUDA {r.get('cuda')}, {fmt(memory, '.0f')} GiB"
+    if name == "probe":
+        legacy = r["apis"].get("torch._scaled_mm", {})
+        return "torch._scaled_mm accepts: " + (
+            ", ".join(k for k, v in legacy.items() if v.startswith("accepted")) or "none"
+        )
+    if name == "quantizers":
+        compiled = len(r["compiled"]) if isinstance(r["compiled"], list) else 0
+        return f"{len(r['cases'])} eager cases (+ {compiled} compiled) bit-equal to the CPU"
+    if name == "gemm":
+        ran = [f"{rec} {g}" for rec, row in r["table"].items() for g, v in row.items() if "rel" in v["hardware"]]
+        return f"{len(ran)} of {3 * len(r['table'])} GEMMs ran on the hardware, each within its bound"
+    if name == "train_step":
+        parts = [
+            f"{m} {rec} {v:.2f}x"
+            for m, d in r["speedup_over_bf16"].items()
+            if isinstance(d, dict)
+            for rec, v in d.items()
+            if rec != "bf16"
+        ]
+        return "throughput over BF16: " + ", ".join(parts)
+    if name == "rl":
+        where = "GPU and CPU" if r["device"] == "cuda" else "the CPU only"
+        return f"{r['steps']} steps x {len(r['arms'])} arms on {where}"
+    return f"{len(r.get('checks', []))} checks held"
+
+
+def section_tables(name: str, r: dict[str, Any]) -> list[str]:
+    """Markdown tables for the sections that have them."""
+    lines: list[str] = []
+    if name == "probe" and "apis" in r:
+        apis = list(r["apis"])
+        lines += ["| scaling | " + " | ".join(apis) + " |", "|---|" + "---|" * len(apis)]
+        for case in gpu_sections.PROBE_CASES:
+            lines.append(f"| {case} | " + " | ".join(r["apis"][a].get(case, "-")[:160] for a in apis) + " |")
+    if name == "gemm" and "table" in r:
+        lines += [
+            "| recipe | GEMM | K | scaled_mm rel. error | bound | API, output | emulator rel. error (bound) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for rec, rows in r["table"].items():
+            for g, row in rows.items():
+                hw = row["hardware"]
+                if "rel" in hw:
+                    fast = f"; fast accum {hw['fast_accum_rel']:.2e}" if "fast_accum_rel" in hw else ""
+                    cell = (f"{hw['rel']:.2e}{fast}", f"{hw['bound']:.2e}", f"{hw['api']}, {hw['out_dtype']}")
+                else:
+                    cell = ("refused", "-", (hw["refused"][0] if hw["refused"] else "-")[:120])
+                lines.append(
+                    f"| {rec} | {g} | {row['reduction']} | {cell[0]} | {cell[1]} | {cell[2]} | "
+                    f"{row['emulator_rel']:.2e} ({row['emulator_bound']:.2e}) |"
+                )
+    if name == "train_step" and "seconds" in r:
+        lines += ["| mode | recipe | s/step | tokens/s | x BF16 |", "|---|---|---|---|---|"]
+        for mode, d in r["seconds"].items():
+            for rec, s in d.items():
+                lines.append(
+                    f"| {mode} | {rec} | {s:.4f} | {r['tokens_per_s'][mode][rec]:.0f} | "
+                    f"{r['speedup_over_bf16'][mode][rec]:.2f} |"
+                )
+    if name == "rl" and "comparison" in r:
+        for arm, comp in r["comparison"].items():
+            lines += [
+                "",
+                f"{arm} (median s/step: GPU {fmt(comp['step_time_s']['gpu'])}, CPU {fmt(comp['step_time_s']['cpu'])})",
+                "",
+                "| step | " + " | ".join(gpu_sections.RL_KEY_METRICS) + " |",
+                "|---|" + "---|" * len(gpu_sections.RL_KEY_METRICS),
+            ]
+            for row in comp["per_step"]:
+                cells = [f"{fmt(row[k]['gpu'])} / {fmt(row[k]['cpu'])}" for k in gpu_sections.RL_KEY_METRICS]
+                lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
+        lines += ["", "(GPU / CPU per cell.) " + r["expected"]]
+    elif name == "rl" and "cpu" in r and isinstance(r["cpu"], dict):
+        lines += [
+            "| arm | step | " + " | ".join(gpu_sections.RL_KEY_METRICS) + " |",
+            "|---|---|" + "---|" * len(gpu_sections.RL_KEY_METRICS),
+        ]
+        for arm, run in r["cpu"].items():
+            for step, m in enumerate(run["steps"]):
+                lines.append(
+                    f"| {arm} | {step} | " + " | ".join(fmt(m.get(k)) for k in gpu_sections.RL_KEY_METRICS) + " |"
+                )
+    return lines
+
+
+def markdown(
+    results: dict[str, Any],
+    targets: dict[str, Any],
+    prov: dict[str, str],
+    device: str,
+    overall: dict[str, Any] | None = None,
+) -> str:
+    overall = overall or verdict(results)
     lines = [
         "# GPU check (benchmarks/gpu_check.sh)",
         "",
-        f"Device: {device}. git {prov.get('git_sha', '?')[:10]}"
-        f"{' (dirty)' if prov.get('git_dirty') == 'true' else ''}, "
-        f"{prov.get('date', '')}, torch {prov.get('version.torch', '?')}. Ratios are throughput relative to BF16, "
-        "measured side by side in this run.",
+        f"**Verdict: {overall['verdict']}.** Device: {device}. git {prov.get('git_sha', '?')[:10]}"
+        f"{' (dirty)' if prov.get('git_dirty') == 'true' else ''}, {prov.get('date', '')}, torch "
+        f"{prov.get('version.torch', '?')}, Python {prov.get('version.python', '?')}. Ratios are throughput relative "
+        "to BF16, measured side by side in this run.",
         "",
-        "| target | ratio | required | met |",
+        "Statuses: passed = every check held on a GPU; rehearsed = every check held on the CPU of a machine without "
+        "a GPU (the code ran; nothing about a GPU was measured); skipped = its stack or device is missing; failed = "
+        "an error, a timeout or a check that did not hold.",
+        "",
+        "| section | status | wall s | summary |",
         "|---|---|---|---|",
     ]
-    for name, v in targets.items():
-        lines.append(f"| {name} | {v['ratio']:.2f}x | {v['target']}x | {'yes' if v['met'] else 'NO'} |")
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r.get('status', status(r))} | {fmt(r.get('wall_s'), '.1f')} | "
+            f"{summary_line(name, r).replace('|', '/')} |"
+        )
+    if targets:
+        lines += ["", "| target | ratio | required | met |", "|---|---|---|---|"]
+        for name, v in targets.items():
+            lines.append(f"| {name} | {v['ratio']:.2f}x | {v['target']}x | {'yes' if v['met'] else 'NO'} |")
     for name, value in results.items():
-        lines += ["", f"## {name}", "", "```json", json.dumps(value, indent=1, default=str)[:4000], "```"]
+        lines += ["", f"## {name}", ""]
+        tables = section_tables(name, value) if "error" not in value and "skipped" not in value else []
+        if tables:
+            lines += tables + [""]
+        brief = {k: v for k, v in value.items() if k not in ("gpu", "cpu", "comparison", "table", "cases", "apis")}
+        lines += ["```json", json.dumps(brief, indent=1, default=str)[:4000], "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -454,32 +784,59 @@ def write_report(out: Path, results: dict[str, Any], device: str, done: bool) ->
     """gpu_check.json and gpu_check.md from the results so far (``done``: every section ran)."""
     from fp8rl.tracking.provenance import provenance
 
+    results = scrub(results)
     targets = verdicts(results)
+    overall = (
+        verdict(results)
+        if done
+        else {**verdict(results), "verdict": "incomplete (the check is still running or was stopped)"}
+    )
+    prov = scrub(provenance())
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "gpu_check.json", {"device": device, "complete": done, "results": results, "targets": targets})
-    (out / "gpu_check.md").write_text(markdown(results, targets, provenance(), device))
+    payload = {"device": device, "complete": done, "verdict": overall, "results": results, "targets": targets}
+    write_json(out / "gpu_check.json", payload)
+    try:
+        text = markdown(results, targets, prov, device, overall)
+    except Exception as err:  # noqa: BLE001 - the JSON is written; a rendering bug must not stop the check
+        text = f"# GPU check\n\n**Verdict: {overall['verdict']}.** The Markdown report failed to render ({err!r}): "
+        text += "see gpu_check.json.\n"
+    (out / "gpu_check.md").write_text(text)
 
 
-def main() -> int:
+def device_name() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA device (CPU rehearsal)"
+    cap = ".".join(map(str, torch.cuda.get_device_capability()))
+    return f"{torch.cuda.get_device_name()} (compute capability {cap})"
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/gpu"))
     parser.add_argument("--sections", default=",".join(SECTION_NAMES))
+    parser.add_argument("--budget-s", type=float, default=500, help="wall time for all sections together")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--rl-steps", type=int, default=4)
+    parser.add_argument("--run-section", help=argparse.SUPPRESS)  # internal: one section in this process
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.run_section:
+        args.result.write_text(json.dumps(run_one(args.run_section, args), default=str))
+        return 0
+    deadline = time.monotonic() + args.budget_s
+    device = device_name()
     if not torch.cuda.is_available():
-        print("no CUDA device: gpu_bench measures the GPU path only", file=sys.stderr)
-        return 2
-    device = (
-        f"{torch.cuda.get_device_name()} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability()))})"
-    )
+        print("no CUDA device: a CPU rehearsal (the GPU parts skip; the verdict cannot be a pass)", file=sys.stderr)
     names = [n for n in args.sections.split(",") if n]
-    results = run_sections(names, section_runners(args), lambda r: write_report(args.out, r, device, done=False))
+    runners = driver_runners(args, args.out, deadline)
+    results = run_sections(names, runners, lambda r: write_report(args.out, r, device, done=False))
     write_report(args.out, results, device, done=True)
-    print(f"wrote {args.out / 'gpu_check.md'}")
-    return 0
+    overall = verdict(results)
+    print(f"verdict: {overall['verdict']}; wrote {args.out / 'gpu_check.md'}")
+    return EXIT_CODES[overall["verdict"]]
 
 
 if __name__ == "__main__":
