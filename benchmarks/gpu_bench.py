@@ -663,7 +663,8 @@ def summary_line(name: str, r: dict[str, Any]) -> str:
         return f"{len(r['cases'])} eager cases (+ {compiled} compiled) bit-equal to the CPU"
     if name == "gemm":
         ran = [f"{rec} {g}" for rec, row in r["table"].items() for g, v in row.items() if "rel" in v["hardware"]]
-        return f"{len(ran)} of {3 * len(r['table'])} GEMMs ran on the hardware, each within its bound"
+        where = "the GPU's" if r.get("device") == "cuda" else "the CPU's"
+        return f"{len(ran)} of {3 * len(r['table'])} GEMMs ran on {where} scaled_mm, each within its bound"
     if name == "train_step":
         parts = [
             f"{m} {rec} {v:.2f}x"

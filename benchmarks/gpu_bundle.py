@@ -8,7 +8,8 @@ pins as pyproject.toml. ``build`` downloads exactly those wheels for the image's
 (name, version, bytes, sha256 of each wheel) and refuses a bundle over `MAX_BUNDLE_BYTES` or one whose
 dependency closure reaches a package that is neither bundled nor in `IMAGE_PACKAGES`. ``install`` checks the
 hashes and the wheels' tags against the running interpreter and installs them offline (``pip install --no-index
---no-deps --target``, or by unpacking the wheels where pip is absent) into a folder for PYTHONPATH.
+--no-deps --target``, or by unpacking the wheels where pip is absent) into a folder for PYTHONPATH (in the
+temp dir, outside the bundle).
 
 No warm-start cache is bundled: the tiny runs' warm start is shipped in fp8rl/assets/warmstart (13.8 MB, tracked),
 so it travels with the working tree; ``build`` reports its size and the working tree's against the carry limit.
@@ -27,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from email.parser import Parser
 from pathlib import Path
@@ -245,15 +247,18 @@ def unpack_wheel(wheel: Path, target: Path) -> None:
 
 
 def install(bundle: Path, target: Path | None = None, method: str = "auto") -> Path:
-    """Install the bundle's wheels into `target` (default ``bundle/site-<abi>``) offline; return `target`.
+    """Install the bundle's wheels into `target` offline; return `target` (default: a folder in the temp dir named
+    by this Python's ABI and the manifest's hash, so the carried bundle stays the wheels alone).
 
     Checks every wheel's sha256 against the manifest and its tags against this interpreter first. A target
     already holding this manifest's install (a stamp of its hash) is reused."""
     manifest_path = bundle / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    target = target or bundle / f"site-cp{sys.version_info.major}{sys.version_info.minor}"
-    stamp = target / ".installed-manifest-sha256"
     want = sha256(manifest_path)
+    if target is None:  # outside the bundle: the carried folder stays the wheels alone
+        abi = f"cp{sys.version_info.major}{sys.version_info.minor}"
+        target = Path(tempfile.gettempdir()) / f"fp8rl-gpu-bundle-{abi}-{want[:12]}"
+    stamp = target / ".installed-manifest-sha256"
     if stamp.is_file() and stamp.read_text().strip() == want:
         return target
     problems = []
