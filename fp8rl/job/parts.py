@@ -264,16 +264,44 @@ def micro_batch_size(cfg: RunConfig, layout: ParallelLayout) -> int | None:
     return layout.micro_batch_size if asked else None
 
 
-def build_parts(cfg: RunConfig, dims: ParallelDims, device: torch.device) -> tuple[Parts, StartWeights]:
-    """Every part of the run, and a one-line description of where the policy starts from. `dims`: where this rank
-    is and what it runs, read by every builder."""
-    layout = dims.plan
+@dataclass(frozen=True)
+class PreparedTask:
+    """The run's task with its data loaded and checked, before anything else is built: `task`, the checkpoint
+    folder its tokenizer came from (None: no ``model.hf_path``), and the count of prompts dropped per set for
+    being too long for the sequence (``task.overlong_prompts=filter``; none otherwise)."""
+
+    task: Task
+    hf_folder: str | None
+    dropped: dict[str, int]
+
+    def log_dropped(self) -> None:
+        """One warning line with the counts, if any prompt was dropped."""
+        if any(self.dropped.values()):
+            log.warning("dropped prompts too long for the sequence (task.overlong_prompts=filter): %s", self.dropped)
+
+
+def prepare_task(cfg: RunConfig, layout: ParallelLayout) -> PreparedTask:
+    """The task of `cfg` for `layout`: its data read and checked (a bad file, an empty set or prompts too long for
+    the sequence raise a `ConfigError` naming the file and the row), the prompts fitted to the sequence. Cheap next
+    to the model, so the job does it before the run folder and the MLflow run exist."""
     hf_folder = None if cfg.model.hf_path is None else checkpoint_folder(cfg.model.hf_path)
     task = build_task(task_for_layout(cfg, layout), hf_folder)
+    dropped: dict[str, int] = {}
     if hasattr(task, "fit_prompts"):  # math: prompts of any length (the arithmetic tasks' are short by construction)
         dropped = task.fit_prompts(layout.max_seq_len)
-        if any(dropped.values()):
-            log.warning("dropped prompts too long for the sequence (task.overlong_prompts=filter): %s", dropped)
+    return PreparedTask(task, hf_folder, dropped)
+
+
+def build_parts(
+    cfg: RunConfig, dims: ParallelDims, device: torch.device, prepared: PreparedTask | None = None
+) -> tuple[Parts, StartWeights]:
+    """Every part of the run, and a one-line description of where the policy starts from. `dims`: where this rank
+    is and what it runs, read by every builder. `prepared`: the task from `prepare_task` (None: prepared here)."""
+    layout = dims.plan
+    if prepared is None:
+        prepared = prepare_task(cfg, layout)
+        prepared.log_dropped()
+    task, hf_folder = prepared.task, prepared.hf_folder
     weights = start_weights(cfg, task, hf_folder, dims)
     policy, optimizer = build_policy(cfg, weights, dims, device)
     plan = plan_precision(cfg.precision)

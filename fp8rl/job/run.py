@@ -1,9 +1,11 @@
 """`run_job(cfg)`: the one place where a training run is set up, on every rank of a job.
 
 In order: torch.distributed from the launcher's environment (torchrun, Slurm) -> preflight (layout for the
-world size, the machine) -> process settings -> logging -> megatron's process state with the run's
-layout -> the run folder (resume or start fresh) -> provenance and the tracker (rank 0; a run already
-finished is not run again) -> the parts (task, policy, optimizer, engines) -> the trainer's loop. However
+world size, the machine) -> the task with its data read and checked (a bad file, an empty set, prompts too long
+for the sequence: refused before the run folder and the MLflow run exist) -> process settings -> logging ->
+megatron's process state with the run's layout -> the run folder (resume or start fresh) -> provenance and the
+tracker (rank 0; a run already finished is not run again) -> the parts (policy, optimizer, engines) -> the
+trainer's loop. However
 it ends, the MLflow run is marked: FINISHED, FAILED (an exception), KILLED (SIGINT/SIGTERM), or SCHEDULED
 (a Slurm preemption or time limit that submitit requeues: the next attempt resumes it).
 """
@@ -28,7 +30,7 @@ from fp8rl.identity import config_hash, default_run_name, run_dir
 from fp8rl.job import signals
 from fp8rl.job.distributed import DistEnv, dist_env_from_environ, init_distributed, shutdown_distributed
 from fp8rl.job.lock import RunFolderInUse, run_folder_lock
-from fp8rl.job.parts import build_parts
+from fp8rl.job.parts import PreparedTask, build_parts, prepare_task
 from fp8rl.job.process import apply_process_settings, close_log_file, setup_logging
 from fp8rl.models.dims import ParallelDims
 from fp8rl.preflight import check_environment, run_layout
@@ -74,6 +76,7 @@ def _run(cfg, env: DistEnv, tracker, stop_after, hydra_dir, submitted_at) -> Run
     out_dir = run_dir(cfg)
     layout = run_layout(cfg, env.world_size)
     check_environment(cfg)  # refusals first: a bad config leaves no run folder behind
+    prepared = prepare_task(cfg, layout)  # and bad data: files read and checked, prompts fitted, sets not empty
     with contextlib.ExitStack() as held:
         refusal = None
         if env.rank == 0:  # before anything is written to the folder: one writer per run folder
@@ -84,12 +87,15 @@ def _run(cfg, env: DistEnv, tracker, stop_after, hydra_dir, submitted_at) -> Run
         refusal = _broadcast(refusal)
         if refusal is not None:
             raise RunFolderInUse(refusal)
-        return _run_in_folder(cfg, env, out_dir, layout, tracker, stop_after, hydra_dir, submitted_at)
+        return _run_in_folder(cfg, env, out_dir, layout, prepared, tracker, stop_after, hydra_dir, submitted_at)
 
 
-def _run_in_folder(cfg, env: DistEnv, out_dir: str, layout, tracker, stop_after, hydra_dir, submitted_at) -> RunSummary:
+def _run_in_folder(
+    cfg, env: DistEnv, out_dir: str, layout, prepared: PreparedTask, tracker, stop_after, hydra_dir, submitted_at
+) -> RunSummary:
     apply_process_settings(cfg.trainer)
     setup_logging(out_dir, env.rank)
+    prepared.log_dropped()
     from fp8rl.models.runtime import init_megatron
 
     init_megatron(layout.tensor_parallel, layout.pipeline_parallel, seed=cfg.warmstart.seed)
@@ -109,7 +115,7 @@ def _run_in_folder(cfg, env: DistEnv, out_dir: str, layout, tracker, stop_after,
     with signals.terminate_as_exception(on_stuck=lambda: tracker.finish("KILLED")) as stopping:
         try:
             device = _device(cfg)
-            parts, weights = build_parts(cfg, dims, device)
+            parts, weights = build_parts(cfg, dims, device, prepared)
             where = layout.describe(cfg.model.device, cfg.rollout.engine)
             log.info("%s: %s; policy from %s; layout %s", name, out_dir, weights.source, where)
             log_start_weights(tracker, out_dir, weights, env.rank)

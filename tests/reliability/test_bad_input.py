@@ -4,6 +4,7 @@ folder, no MLflow run, in seconds. Each probe is one a user typed (issue 16), ru
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -58,3 +59,66 @@ def test_a_dead_tracking_server_is_refused_within_seconds_with_advice(tmp_path: 
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "tracking.offline=true" in proc.stderr  # the way to train anyway
     assert not list((tmp_path / "run").glob("checkpoints/*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad data (issue 28): a math run (scale=mini) over a broken data file is refused the same way, naming the file,
+# the row and the option to change. Before, each was a traceback (exit 1) after the MLflow run existed (marked
+# FAILED), and an all-empty benchmark was refused only after the model was built.
+
+
+@pytest.fixture(scope="module")
+def mini_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from fp8rl.tasks.math import write_mini_assets
+
+    return write_mini_assets(tmp_path_factory.mktemp("mini"), seed=0)["model"].parent
+
+
+def _lines(rows: list[dict]) -> str:
+    import json
+
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+ROWS = [{"problem": f"What is {n} + {n}?", "answer": str(2 * n)} for n in range(1, 9)]
+BAD_DATA = {  # name -> (the option, the file's name and bytes, the message's pattern after the file's path)
+    "empty_training_file": ("task.path", "train.jsonl", b"", r" is empty \(0 bytes\).*task.path=\.\.\."),
+    "truncated_jsonl": ("task.path", "train.jsonl", _lines(ROWS).encode()[:-20], r", line 8: not a JSON record"),
+    "non_utf8_benchmark": (
+        "task.eval_paths.math500",
+        "test.jsonl",
+        _lines(ROWS[:2]).encode() + '{"problem": "\u00bd + \u00bd?", "answer": "1"}\n'.encode("latin-1"),
+        r", line 3: byte 0xbd at column 14 is not UTF-8",
+    ),
+    "all_empty_benchmark": (
+        "task.eval_paths.math500",
+        "test.jsonl",
+        _lines([{**row, "answer": None} for row in ROWS]).encode(),
+        r" holds no problems; fix task.eval_paths.math500",
+    ),
+    "overlong_prompt": (
+        "task.path",
+        "train.jsonl",
+        _lines([*ROWS[:3], {"problem": "Add these: " + " 1 +" * 3000 + " 1", "answer": "3001"}]).encode(),
+        r", line 4\).*task.overlong_prompts=filter",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BAD_DATA))
+def test_bad_data_exits_2_naming_the_file_and_row_before_the_mlflow_run(tmp_path: Path, mini_folder: Path, name):
+    option, file_name, contents, pattern = BAD_DATA[name]
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "mini").symlink_to(mini_folder)  # where scale=mini looks
+    path = tmp_path / file_name
+    path.write_bytes(contents)
+    started = time.monotonic()
+    env = {"HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    proc = run_cli(tmp_path, "scale=mini", "task=deepscaler", f"{option}={path}", env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    (refusal,) = [line for line in proc.stderr.splitlines() if line.startswith("config error: ")]
+    assert re.search(re.escape(str(path)) + pattern, refusal), refusal
+    assert not (tmp_path / "run").exists() and not (tmp_path / "mlflow.db").exists()
+    assert time.monotonic() - started < 60

@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8rl.config import TaskConfig
+from fp8rl.config import ConfigError, TaskConfig
 from fp8rl.tasks.base import Problem, register_task
 from fp8rl.tasks.math.reward import extract_final_answer, math_rewards
-from fp8rl.tasks.math.sources import get_source, load_problems
+from fp8rl.tasks.math.sources import DatasetError, get_source, load_problem_rows
 
 VERL_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 PROMPTS_AS_GIVEN = frozenset({"dapo_math_17k"})  # data sets whose prompt already says how to answer
@@ -80,7 +80,7 @@ class HFTokenizer:
 
     def __init__(self, tokenizer: Any, eos_ids: Sequence[int]) -> None:
         if not eos_ids:
-            raise ValueError(
+            raise ConfigError(
                 "the tokenizer has no end-of-sequence token; set eos_token in tokenizer_config.json "
                 "or eos_token_id in generation_config.json"
             )
@@ -135,24 +135,40 @@ def with_instruction(dataset: str, problem: Problem) -> Problem:
     return Problem(prompt=f"{problem.prompt} {VERL_INSTRUCTION}", answer=problem.answer)
 
 
-def load_task_problems(dataset: str, path: str | None, split: str | None = None) -> list[Problem]:
+def load_task_problems(
+    dataset: str, path: str | None, split: str | None = None, setting: str = "task.path"
+) -> list[Problem]:
     """:func:`load_problems` of a data set with the instruction the task adds."""
-    return [with_instruction(dataset, problem) for problem in load_problems(dataset, path, split)]
+    return [problem for problem, _ in load_task_problem_rows(dataset, path, split, setting)]
 
 
-def refuse_empty_sets(cfg: TaskConfig, train: Sequence[Problem], eval_sets: dict[str, list[Problem]]) -> None:
+def load_task_problem_rows(
+    dataset: str, path: str | None, split: str | None = None, setting: str = "task.path"
+) -> list[tuple[Problem, str]]:
+    """:func:`load_problem_rows` (problem, where its row is) with the instruction the task adds."""
+    rows = load_problem_rows(dataset, path, split, setting=setting)
+    return [(with_instruction(dataset, problem), where) for problem, where in rows]
+
+
+def refuse_empty_sets(
+    cfg: TaskConfig, train: Sequence[Problem], eval_sets: dict[str, list[Problem]], reason: str = ""
+) -> None:
     """A data set without problems is refused before anything trains (an empty training set would fail at the
-    first step; an empty benchmark would report an accuracy of NaN and exit 0)."""
+    first step; an empty benchmark would report an accuracy of NaN and exit 0). ``reason``: why it is empty, when
+    something other than the files emptied it (the over-long prompt filter)."""
     if not train:
         where = cfg.path or f"the hub's {cfg.dataset}"
-        raise ValueError(
-            f"task.dataset={cfg.dataset}: {where} holds no problems (split {cfg.split or 'default'}, task.num_train="
-            f"{cfg.num_train}); point task.path at a file or folder with problems, or raise task.num_train"
+        why = f" {reason}" if reason else ""
+        raise DatasetError(
+            f"task.dataset={cfg.dataset}: {where} holds no problems{why} (split {cfg.split or 'default'}, "
+            f"task.num_train={cfg.num_train}); point task.path at a file or folder with problems, or raise "
+            "task.num_train"
         )
     for name, problems in eval_sets.items():
         if not problems:
-            raise ValueError(
-                f"task.eval_sets: {name} from {cfg.eval_paths.get(name, 'the hub')} holds no problems; fix "
+            why = f" {reason}" if reason else ""
+            raise DatasetError(
+                f"task.eval_sets: {name} from {cfg.eval_paths.get(name, 'the hub')} holds no problems{why}; fix "
                 f"task.eval_paths.{name} or drop {name} from task.eval_sets"
             )
 
@@ -172,29 +188,37 @@ class MathTask:
         check_math_config(cfg)
         self.cfg = cfg
         if tokenizer is None and not tokenizer_path:
-            raise ValueError("the math task uses the model's tokenizer: set model.hf_path=<checkpoint folder>")
+            raise ConfigError("the math task uses the model's tokenizer: set model.hf_path=<checkpoint folder>")
         self.tokenizer = tokenizer or HFTokenizer.from_pretrained(tokenizer_path)
         if cfg.chat_template and not self.tokenizer.has_chat_template:
-            raise ValueError(
+            raise ConfigError(
                 f"the tokenizer from {tokenizer_path or 'the given object'} has no chat template; set "
                 "task.chat_template=false to use raw prompts (base models), or use a tokenizer with one"
             )
         self.max_response_tokens = cfg.max_response_tokens or DEFAULT_MAX_RESPONSE_TOKENS
-        problems = load_task_problems(cfg.dataset, cfg.path, cfg.split)
+        train = load_task_problem_rows(cfg.dataset, cfg.path, cfg.split)
+        eval_rows = {
+            name: load_task_problem_rows(name, cfg.eval_paths.get(name), setting=f"task.eval_paths.{name}")
+            for name in cfg.eval_sets
+        }
+        self.origins: dict[Problem, str] = {}  # where each problem's (first) row is: "<file>, line N"
+        for rows in (train, *eval_rows.values()):
+            self.origins.update((problem, where) for problem, where in rows if problem not in self.origins)
+        problems = [problem for problem, _ in train]
         random.Random(cfg.seed).shuffle(problems)
         self.train_problems: list[Problem] = problems[: cfg.num_train]
         self.eval_sets: dict[str, list[Problem]] = {
-            name: load_task_problems(name, cfg.eval_paths.get(name)) for name in cfg.eval_sets
+            name: [problem for problem, _ in rows] for name, rows in eval_rows.items()
         }
         refuse_empty_sets(cfg, self.train_problems, self.eval_sets)
 
     def fit_prompts(self, max_seq_len: int) -> dict[str, int]:
         """Keep the prompts that leave the response limit room in the trainer's sequence of `max_seq_len` tokens:
-        ``task.overlong_prompts=refuse`` raises (with the count and the longest), ``filter`` drops them. Returns
-        the count dropped per set ("train", each benchmark)."""
+        ``task.overlong_prompts=refuse`` raises `DatasetError` (the count per set, and the longest prompt's length
+        and row), ``filter`` drops them. Returns the count dropped per set ("train", each benchmark)."""
         limit = max_seq_len - self.max_response_tokens
         if limit < 1:
-            raise ValueError(
+            raise DatasetError(
                 f"the trainer's sequence ({max_seq_len} tokens) leaves no room for a prompt after the response limit "
                 f"({self.max_response_tokens}): lower task.max_response_tokens or raise parallel.max_seq_len"
             )
@@ -202,19 +226,24 @@ class MathTask:
         lengths = {name: [len(self.prompt_ids(p)) for p in problems] for name, problems in sets.items()}
         over = {name: sum(n > limit for n in values) for name, values in lengths.items()}
         if any(over.values()) and self.cfg.overlong_prompts == "refuse":
-            longest = max(max(values, default=0) for values in lengths.values())
-            counts = ", ".join(f"{name} {n}" for name, n in over.items() if n)
-            raise ValueError(
+            counts = []
+            for name, n in over.items():
+                if n:
+                    length, longest = max(zip(lengths[name], sets[name], strict=True), key=lambda pair: pair[0])
+                    where = self.origins.get(longest, "its data set")
+                    counts.append(f"{name} {n} (the longest has {length} tokens: {where})")
+            raise DatasetError(
                 f"prompts longer than {limit} tokens (parallel.max_seq_len {max_seq_len} - response limit "
-                f"{self.max_response_tokens}): {counts}; the longest has {longest}. Set task.overlong_prompts=filter "
-                "to drop them, lower task.max_response_tokens, or raise parallel.max_seq_len"
+                f"{self.max_response_tokens}): {', '.join(counts)}. Set task.overlong_prompts=filter to drop them, "
+                "lower task.max_response_tokens, or raise parallel.max_seq_len"
             )
         self.train_problems = [p for p, n in zip(self.train_problems, lengths["train"], strict=True) if n <= limit]
         self.eval_sets = {
             name: [p for p, n in zip(problems, lengths[name], strict=True) if n <= limit]
             for name, problems in self.eval_sets.items()
         }
-        refuse_empty_sets(self.cfg, self.train_problems, self.eval_sets)
+        reason = f"left after dropping prompts longer than {limit} tokens (task.overlong_prompts=filter)"
+        refuse_empty_sets(self.cfg, self.train_problems, self.eval_sets, reason if any(over.values()) else "")
         return over
 
     def prompt_ids(self, problem: Problem) -> list[int]:

@@ -4,6 +4,7 @@ as a file and as a hub-style folder), and the errors that say what to change."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -198,3 +199,171 @@ def test_unreachable_hub_fails_within_seconds(monkeypatch):
     with pytest.raises(DatasetError, match="not reachable.*task.path="):
         load_problems("math500")
     assert time.monotonic() - start < 5.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed files (issue 28): refused at load as a ConfigError (the command exits 2, no traceback) whose one line
+# names the file, the row (the line of a JSON-lines file) and what to change. Before, each was a traceback of
+# datasets / pyarrow / the row conversion without the row, or was loaded silently.
+
+
+def _bytes(rows: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+def _parquet_bytes(rows: list[dict[str, Any]], tmp_path: Path) -> bytes:
+    return write_rows(rows, tmp_path / "scratch" / "rows.parquet").read_bytes()
+
+
+def _with(rows: list[dict[str, Any]], index: int, **changes: Any) -> list[dict[str, Any]]:
+    rows = [dict(row) for row in rows]
+    rows[index].update(changes)
+    return rows
+
+
+def _without(rows: list[dict[str, Any]], index: int, field: str) -> list[dict[str, Any]]:
+    rows = [dict(row) for row in rows]
+    del rows[index][field]
+    return rows
+
+
+DEEPSCALER = rows_of("deepscaler")
+MALFORMED = {  # name -> (data set, file name, contents, the message's pattern after the file's path)
+    "empty_file": ("deepscaler", "train.jsonl", lambda t: b"", r" is empty \(0 bytes\); .*\['problem', 'answer'\]"),
+    "blank_lines_only": ("aime25", "test.jsonl", lambda t: b"\n  \n\n", r" holds no rows; .*task.path=\.\.\."),
+    "truncated_jsonl_line": (
+        "deepscaler",
+        "train.jsonl",
+        lambda t: _bytes(DEEPSCALER)[:-25],
+        r", line 3: not a JSON record \(Unterminated string .*\) \(the file ends inside it: truncated\?\)",
+    ),
+    "broken_jsonl_line_in_the_middle": (
+        "deepscaler",
+        "train.jsonl",
+        lambda t: _bytes(DEEPSCALER[:1]) + b'{"problem": "x", "answer": 1,,}\n' + _bytes(DEEPSCALER[1:]),
+        r", line 2: not a JSON record \(Expecting property name .*\); .*fix or delete that line",
+    ),
+    "non_utf8_bytes": (
+        "deepscaler",
+        "train.jsonl",
+        lambda t: _bytes(DEEPSCALER[:2]) + '{"problem": "Caf\u00e9 prices?", "answer": "3"}\n'.encode("latin-1"),
+        r", line 3: byte 0xe9 at column 17 is not UTF-8; save the file as UTF-8",
+    ),
+    "non_utf8_bytes_in_a_json_array": (
+        "deepscaler",
+        "deepscaler.json",
+        lambda t: json.dumps(DEEPSCALER, indent=1).encode().replace(b"Nadia", "N\u00e4dia".encode("latin-1")),
+        r", line 3: byte 0xe4 at column \d+ is not UTF-8",
+    ),
+    "truncated_json_array": (
+        "deepscaler",
+        "deepscaler.json",
+        lambda t: json.dumps(DEEPSCALER).encode()[:-30],
+        r", line 1, column \d+: not valid JSON \(.*\) \(the file ends inside the array: truncated\?\)",
+    ),
+    "a_record_that_is_not_an_object": (
+        "math500",
+        "test.jsonl",
+        lambda t: _bytes(rows_of("math500")) + b"[1, 2]\n",
+        r", line 4: a record is a JSON object, found a list \(\[1, 2\]\)",
+    ),
+    "row_missing_the_answer": (
+        "deepscaler",
+        "train.jsonl",
+        lambda t: _bytes(_without(DEEPSCALER, 1, "answer")),
+        r", line 2: has no field 'answer'; a row of deepscaler follows the schema of agentica-org/DeepScaleR.*fix or",
+    ),
+    "row_missing_the_problem": (
+        "aime25",
+        "test.jsonl",
+        lambda t: _bytes(_without(rows_of("aime25"), 2, "problem")),
+        r", line 3: has no field 'problem'; .*math-ai/aime25 \(problem: string, answer: string",
+    ),
+    "problem_of_the_wrong_type": (
+        "deepscaler",
+        "train.jsonl",
+        lambda t: _bytes(_with(DEEPSCALER, 1, problem={"text": "x"})),
+        r", line 2: field 'problem' is a dict \(\{'text': 'x'\}\), not a string",
+    ),
+    "answer_of_the_wrong_type": (
+        "math500",
+        "test.jsonl",
+        lambda t: _bytes(_with(rows_of("math500"), 0, answer=["4", "5"])),
+        r", line 1: field 'answer' is a list \(\['4', '5'\]\), not a string or a number",
+    ),
+    "boolean_answer": (
+        "deepscaler",
+        "deepscaler.json",
+        lambda t: json.dumps(_with(DEEPSCALER, 2, answer=True)).encode(),
+        r", row 3: field 'answer' is a bool \(True\), not a string or a number",
+    ),
+    "dapo_prompt_that_is_a_string": (
+        "dapo_math_17k",
+        "train.parquet",
+        lambda t: _parquet_bytes([{**row, "prompt": "just text"} for row in rows_of("dapo_math_17k")], t),
+        r", row 1: field 'prompt' is 'just text', not a list of \{role, content\} messages",
+    ),
+    "dapo_reward_model_without_ground_truth": (
+        "dapo_math_17k",
+        "train.jsonl",
+        lambda t: _bytes(_with(rows_of("dapo_math_17k"), 1, reward_model={"style": "rule"})),
+        r", line 2: field 'reward_model' has no 'ground_truth'",
+    ),
+    "parquet_of_the_wrong_type": (
+        "aime24",
+        "train.parquet",
+        lambda t: _parquet_bytes([{"problem": 7, "answer": "1"}], t),
+        r", row 1: field 'problem' is an int \(7\), not a string",
+    ),
+    "a_csv_named_parquet": (
+        "aime24",
+        "train.parquet",
+        lambda t: b"problem,answer\n1+1,2\n",
+        r" is not a parquet file, or a truncated one \(.*magic bytes.*\); write it again",
+    ),
+    "truncated_parquet": (
+        "aime24",
+        "train.parquet",
+        lambda t: (lambda b: b[: len(b) // 2])(_parquet_bytes(rows_of("aime24"), t)),
+        r" is not a parquet file, or a truncated one",
+    ),
+    "empty_parquet": ("amc23", "test.parquet", lambda t: b"", r" is empty \(0 bytes\)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_a_malformed_file_is_refused_naming_the_file_and_the_row(name: str, tmp_path: Path) -> None:
+    from fp8rl.config import ConfigError
+
+    dataset, file_name, contents, pattern = MALFORMED[name]
+    path = tmp_path / file_name
+    path.write_bytes(contents(tmp_path))
+    with pytest.raises(ConfigError) as error:
+        load_problems(dataset, str(path))
+    message = str(error.value)
+    assert isinstance(error.value, DatasetError) and "\n" not in message
+    assert re.match(re.escape(str(path)) + pattern, message), message
+
+
+def test_a_benchmarks_refusal_names_its_own_option(tmp_path: Path) -> None:
+    path = tmp_path / "test.jsonl"
+    path.write_bytes(b"")
+    with pytest.raises(DatasetError, match=r"empty \(0 bytes\).*point task.eval_paths.math500=\.\.\. at another"):
+        load_problems("math500", str(path), setting="task.eval_paths.math500")
+
+
+def test_the_dropped_rows_warning_names_the_first(tmp_path: Path) -> None:
+    rows = _with(DEEPSCALER, 1, answer=None)
+    with pytest.warns(UserWarning, match=r"dropped 1 rows without a problem or an answer \(the first: .*, line 2\)"):
+        assert len(load_problems("deepscaler", str(write_rows(rows, tmp_path / "train.jsonl")))) == 2
+
+
+def test_json_lines_with_blank_lines_a_bom_and_numbers_load(tmp_path: Path) -> None:
+    """What datasets' JSON reader accepted still loads: blank lines, a UTF-8 byte-order mark, numeric answers,
+    JSON lines named .json, NaN answers dropped as missing."""
+    path = tmp_path / "test.json"
+    rows = [{"question": p, "answer": numeric(a)} for p, a in MADE_UP]
+    nan_answer = b'{"question": "q", "answer": NaN}'
+    path.write_bytes(b"\xef\xbb\xbf" + _bytes(rows[:1]) + b"\n\n" + _bytes(rows[1:]) + nan_answer)
+    with pytest.warns(UserWarning, match="dropped 1 rows"):
+        assert load_problems("amc23", str(path)) == expected_problems("amc23")

@@ -4,12 +4,13 @@ garble reasons and rewards; its config's checks."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from fp8rl.config import TaskConfig
+from fp8rl.config import ConfigError, TaskConfig
 from fp8rl.tasks.base import Problem, build_task, check_task_config
 from fp8rl.tasks.math import MathTask
 from fp8rl.tasks.math.task import VERL_INSTRUCTION
@@ -168,12 +169,13 @@ def _empty_copy(folder: Path, tmp_path: Path, name: str) -> Path:
 
 
 def test_a_data_file_without_rows_is_refused_with_its_path_and_schema(mini_assets, tmp_path):
-    """datasets' raw ArrowInvalid ("BatchSize must be greater than 0") becomes a message naming the file."""
+    """A parquet file with the schema but no rows: the file, the columns and the option to change (the training
+    set's and a benchmark's own), a ConfigError (the command exits 2)."""
     empty = _empty_copy(mini_assets["dapo_math_17k"], tmp_path, "dapo")
-    with pytest.raises(ValueError, match=r"dapo_math_17k: cannot read .*dapo .*needs rows.*columns"):
+    with pytest.raises(ConfigError, match=r"dapo/data/dapo-math-17k.parquet holds no rows; .*\['prompt', 'reward_"):
         math_task(mini_assets, path=str(empty), eval_sets=())
     empty = _empty_copy(mini_assets["aime24"], tmp_path, "aime24")
-    with pytest.raises(ValueError, match=r"aime24: cannot read .*aime24"):
+    with pytest.raises(ConfigError, match=r"data/train-00000-of-00001.parquet holds no rows.*eval_paths.aime24="):
         math_task(mini_assets, eval_sets=("aime24",), eval_paths={"aime24": str(empty)})
 
 
@@ -211,3 +213,43 @@ def test_filtered_prompts_are_dropped_and_counted(mini_assets):
 def test_an_unknown_overlong_prompt_policy_is_refused(mini_assets):
     with pytest.raises(ValueError, match=r"task.overlong_prompts='truncate'.*refuse"):
         math_task(mini_assets, overlong_prompts="truncate")
+
+
+def _deepscaler_file(mini_assets, tmp_path: Path, long_line: int) -> Path:
+    """The mini DeepScaleR problems as JSON lines, the one on `long_line` made 2,000 words longer."""
+    rows = json.loads(Path(mini_assets["deepscaler"], "deepscaler.json").read_text())[:20]
+    rows[long_line - 1] = {**rows[long_line - 1], "problem": rows[long_line - 1]["problem"] + " and then" * 2000}
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_the_overlong_refusal_names_the_file_and_line_of_the_longest_prompt(mini_assets, tmp_path):
+    """Before, the refusal gave counts only, as a ValueError (a traceback, the MLflow run already FAILED)."""
+    path = _deepscaler_file(mini_assets, tmp_path, long_line=7)
+    task = math_task(mini_assets, dataset="deepscaler", path=str(path), eval_sets=("aime25",), max_response_tokens=16)
+    with pytest.raises(ConfigError) as error:
+        task.fit_prompts(1024)
+    assert re.search(rf"train 1 \(the longest has \d{{4}} tokens: {re.escape(str(path))}, line 7\)", str(error.value))
+    assert "task.overlong_prompts=filter" in str(error.value)
+
+
+def test_a_filter_that_empties_a_set_says_so(mini_assets):
+    task = math_task(mini_assets, eval_sets=("aime24",), max_response_tokens=16, overlong_prompts="filter")
+    shortest = min(len(task.prompt_ids(p)) for p in task.eval_sets["aime24"] + task.train_problems)
+    with pytest.raises(ConfigError, match=r"holds no problems left after dropping prompts longer than \d+ tokens"):
+        task.fit_prompts(shortest - 1 + 16)
+
+
+def test_empty_sets_are_refused_as_config_errors(mini_assets, tmp_path):
+    """An all-empty training set (every answer missing) and an all-empty benchmark: refused when the task is built,
+    as a ConfigError the command turns into exit 2 (the job builds the task before the MLflow run)."""
+    rows = json.loads(Path(mini_assets["deepscaler"], "deepscaler.json").read_text())[:5]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({**row, "answer": ""}) + "\n" for row in rows))
+    with pytest.warns(UserWarning, match="dropped 5 rows"), pytest.raises(ConfigError, match="holds no problems"):
+        math_task(mini_assets, dataset="deepscaler", path=str(train), eval_sets=())
+    bench = tmp_path / "test.jsonl"
+    bench.write_text(json.dumps({"problem": "p", "answer": None}) + "\n")
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match=r"math500 from .*test.jsonl holds no problems"):
+        math_task(mini_assets, eval_sets=("math500",), eval_paths={"math500": str(bench)})
