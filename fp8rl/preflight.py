@@ -182,7 +182,9 @@ def _check_paths(cfg: RunConfig) -> None:
         if path is not None and not Path(path).exists():
             raise PreflightError(f"{name}={path} does not exist: give a local file or folder of the data set")
     default_cache = WarmStartConfig().cache_dir
-    if cfg.task.name == "arithmetic" and cfg.warmstart.cache_dir != default_cache:
+    # the default, also as a sweep resolves it (an absolute path), is created on first use
+    chosen = Path(cfg.warmstart.cache_dir).resolve() != Path(default_cache).resolve()
+    if cfg.task.name == "arithmetic" and chosen:
         if not Path(cfg.warmstart.cache_dir).is_dir():
             raise PreflightError(
                 f"warmstart.cache_dir={cfg.warmstart.cache_dir} does not exist (a typo would silently train a new "

@@ -49,6 +49,21 @@ def run_folder_lock(out_dir: str | Path) -> Iterator[None]:
         lock.release()
 
 
+def held_by(out_dir: str | Path) -> str | None:
+    """Who holds the run folder `out_dir` now (the refusal's words), or None when nobody does: a sweep asks before
+    it starts a point, so two launches of one sweep share its points out instead of refusing each other's."""
+    folder = Path(out_dir)
+    if not (folder / LOCK_NAME).exists():
+        return None  # never run, or no run has held it
+    lock = filelock.FileLock(folder / LOCK_NAME, timeout=0)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        return _refusal(folder)
+    lock.release()
+    return None
+
+
 def _this_process() -> dict[str, str | int]:
     return {
         "host": socket.gethostname(),

@@ -9,6 +9,10 @@
 4. Skip points whose config hash has a FINISHED run in the experiment, and points whose Slurm job is
    still queued or running; submit the rest as `TrainJob`s (checkpointable: the trainer resumes from
    ``<root>/<sweep>/<config hash>`` and continues its MLflow run).
+5. Launched twice at once (two shells, two Makefiles), the launches share the points out: just before a point
+   starts, a launch skips it if another process holds its run folder (`fp8rl.job.lock`), and a point taken
+   between that look and its start comes back held, not failed. Each point runs once; the parent run is
+   FINISHED by whichever launch sees the last point finished.
 
 ``dry_run`` stops after step 2 and the MLflow/queue lookups of step 4, and prints the plan.
 """
@@ -81,7 +85,7 @@ class PlannedRun:
     point: SweepPoint
     cfg: RunConfig
     config_hash: str
-    status: str = "new"  # new | resume | finished | in-flight
+    status: str = "new"  # new | resume | finished | in-flight (a Slurm job, or another launch holds its folder)
     job_id: str | None = None
     result: dict[str, Any] | None = None
     error: str | None = None
@@ -89,6 +93,26 @@ class PlannedRun:
     @property
     def to_submit(self) -> bool:
         return self.status in ("new", "resume")
+
+    def held_elsewhere(self) -> bool:
+        """Another process holds this point's run folder now (a second launch of the sweep runs it): marked
+        in-flight, and not started here."""
+        from fp8rl.job.lock import held_by  # fp8rl.job imports megatron; the planner does not need it
+
+        holder = held_by(self.cfg.trainer.out_dir)
+        if holder is not None:
+            self.mark_held(holder)
+        return holder is not None
+
+    def mark_held(self, holder: str) -> None:
+        self.status, self.job_id, self.result = "in-flight", None, {"held_by": holder}
+
+    def take(self, result: dict[str, Any]) -> None:
+        """A job's summary; a job that found its folder held (the race with another launch) marks it in-flight."""
+        if "held_by" in result:
+            self.mark_held(result["held_by"])
+        else:
+            self.result = result
 
 
 @dataclass
@@ -285,7 +309,12 @@ class Progress:
         took = now - self.job_started.get(id(run), self.started)
         elapsed = now - self.started
         eta = elapsed / self.done * (self.total - self.done)
-        outcome = f"FAILED ({(run.error or '')[-200:]})" if run.error else "finished"
+        if run.error:
+            outcome = f"FAILED ({run.error[-200:]})"
+        elif run.result and "held_by" in run.result:
+            outcome = "skipped: another launch runs it"
+        else:
+            outcome = "finished"
         self.echo(
             f"[{self.name} {self.done}/{self.total}] {run.point.label} {outcome} in {_duration(took)} "
             f"(elapsed {_duration(elapsed)}, ETA {_duration(eta)})",
@@ -336,11 +365,15 @@ def _run_inline(todo: list[PlannedRun], progress: Progress | None = None) -> Non
     from fp8rl.launch.train_job import TrainJob
 
     for run in todo:
+        if run.held_elsewhere():
+            if progress:
+                progress.finish(run)
+            continue
         run.job_id = "inline"
         if progress:
             progress.start(run)
         try:
-            run.result = TrainJob(to_dict(run.cfg))()
+            run.take(TrainJob(to_dict(run.cfg))())
         except Exception as err:  # noqa: BLE001 - one failed point must not stop the others
             run.error = f"{type(err).__name__}: {err}"
         if progress:
@@ -360,6 +393,10 @@ def _run_pool(
     while queue or running:
         while queue and len(running) < max_parallel:
             run = queue.pop(0)
+            if run.held_elsewhere():
+                if progress:
+                    progress.finish(run)
+                continue
             job = executor.submit(TrainJob(to_dict(run.cfg)))
             run.job_id = str(job.job_id)
             running.append((run, job))
@@ -410,7 +447,7 @@ def _collect_done(jobs: list[tuple[PlannedRun, Any]], progress: Progress | None 
             pending.append((run, job))
             continue
         try:
-            run.result = job.results()[0]  # a job of several tasks (CPU ranks, GPUs): rank 0's
+            run.take(job.results()[0])  # a job of several tasks (CPU ranks, GPUs): rank 0's
         except Exception as err:  # noqa: BLE001 - submitit re-raises the job's exception with its traceback
             run.error = f"{type(err).__name__}: {str(err)[-3000:]}"
         if progress:
@@ -427,6 +464,7 @@ def _check_deadline(deadline: float | None, pending: list[tuple[PlannedRun, Any]
 def _finish_parent(report: SweepReport) -> None:
     if report.parent_run_id is None:
         return
+    _mark_finished_elsewhere(report)
     if any(r.error for r in report.runs):
         status = "FAILED"
     elif all(r.status == "finished" or (r.result is not None and r.status != "in-flight") for r in report.runs):
@@ -434,6 +472,19 @@ def _finish_parent(report: SweepReport) -> None:
     else:
         status = "RUNNING"
     finish_parent(store.client(report.tracking_uri), report.parent_run_id, status)
+
+
+def _mark_finished_elsewhere(report: SweepReport) -> None:
+    """Points another launch ran (held while this one looked) that have FINISHED since: finished here too, so the
+    launch that ends last closes the parent run."""
+    held = [r for r in report.runs if r.status == "in-flight" and r.result and "held_by" in r.result]
+    if not held or report.experiment_id is None:
+        return
+    mlflow_client = store.client(report.tracking_uri)
+    finished = store.hashes_by_status(store.child_runs(mlflow_client, report.experiment_id)).get("FINISHED", set())
+    for run in held:
+        if run.config_hash in finished:
+            run.status = "finished"
 
 
 def ensure_parent(mlflow_client: Any, exp_id: str, sweep: str, tags: dict[str, str]) -> str:
@@ -540,6 +591,8 @@ def _outcome(run: PlannedRun) -> str:
         return ""
     if "slurm_job" in run.result:
         return f"slurm job {run.result['slurm_job']}"
+    if "held_by" in run.result:
+        return "another launch runs it: " + run.result["held_by"].split(": the same run")[0][:100]
     final = run.result.get("final_eval") or {}
     acc = final.get("eval/accuracy")
     return f"run {run.result.get('run_id')}" + (f", eval/accuracy {acc:.3f}" if acc is not None else "")

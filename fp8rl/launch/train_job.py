@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class TrainJob(submitit.helpers.Checkpointable):
-    """Run (or resume) one configured training run; returns a small summary dict (rank 0's is the job's)."""
+    """Run (or resume) one configured training run; returns a small summary dict (rank 0's is the job's), or
+    ``{"held_by": ...}`` when another process holds the run folder (a second launch of the same sweep)."""
 
     def __init__(self, cfg: dict[str, Any], submitted_at: float | None = None) -> None:
         self.cfg = cfg
@@ -33,9 +34,13 @@ class TrainJob(submitit.helpers.Checkpointable):
         from fp8rl.config import from_dict
         from fp8rl.identity import config_hash
         from fp8rl.job import run_job
+        from fp8rl.job.lock import RunFolderInUse
 
         cfg = validated(from_dict(self.cfg))
-        summary = run_job(cfg, submitted_at=self.submitted_at)
+        try:
+            summary = run_job(cfg, submitted_at=self.submitted_at)
+        except RunFolderInUse as held:  # another launch of the sweep took this point first: its run, not a failure
+            return {"held_by": str(held), "config_hash": config_hash(cfg)}
         return {
             "run_id": summary.run_id,
             "config_hash": config_hash(cfg),

@@ -18,6 +18,8 @@ from fp8rl.launch.launchers import resolve_launcher
 from fp8rl.launch.sweep import SweepReport, define, job_name, mark_existing, mark_in_flight, prepare
 from fp8rl.tracking import store as mlflow_runs
 
+from .conftest import tiny_overrides
+
 POINTS = [["precision=bf16"], ["precision=fp8_full", "recipe=blockwise"]]
 
 
@@ -179,3 +181,97 @@ def test_slurm_jobs_still_running_at_the_timeout_are_named(tmp_path: Path, monke
     with pytest.raises(TimeoutError, match="jobs 101 still running"):
         _submit_slurm(runs, "s", resolve_launcher("local"), tmp_path, True, 0.2, None)
     assert runs[0].result == {"run_id": "a"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Two launches of one sweep at once (issue 28): they share the points out. Before, the second launch started
+# every point the first was running, and each such point failed with the run folder's refusal (RunFolderInUse).
+
+HOLD = """
+import sys, time
+from fp8rl.job.lock import run_folder_lock
+with run_folder_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _hold(folder: str) -> subprocess.Popen:
+    """Another launch's job holding the run folder `folder`."""
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", HOLD, folder], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "held"
+    return process
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_point_another_launch_holds_is_left_to_it_not_failed(tmp_path: Path, warmstart_dir: Path, sqlite_uri: str):
+    req = _request(tmp_path, tiny_overrides(warmstart_dir, steps=1), sqlite_uri)
+    held = _planned(req, create=True).runs[0]
+    other = _hold(held.cfg.trainer.out_dir)
+    try:
+        report = run_sweep(req)
+    finally:
+        other.kill()
+        other.wait()
+    assert [r.error for r in report.runs] == [None, None]
+    assert [r.status for r in report.runs] == ["in-flight", "new"]
+    assert f"pid {other.pid}" in report.runs[0].result["held_by"] and report.runs[0].job_id is None
+    client = mlflow_runs.client(sqlite_uri)
+    children = mlflow_runs.child_runs(client, report.experiment_id)
+    assert [c.data.tags[mlflow_runs.HASH_TAG] for c in children] == [report.runs[1].config_hash], "ran once, here"
+    assert client.get_run(report.parent_run_id).info.status == "RUNNING", "the other launch's point is not done"
+
+
+def test_a_job_that_finds_its_folder_taken_reports_it_held(tmp_path: Path) -> None:
+    """The race: another launch took the point between this launch's look and its job's start."""
+    from fp8rl.config import RunConfig, to_dict, with_overrides
+    from fp8rl.launch.train_job import TrainJob
+
+    cfg = with_overrides(RunConfig(), {"trainer.out_dir": str(tmp_path / "run"), "tracking.enabled": False})
+    other = _hold(cfg.trainer.out_dir)
+    try:
+        result = TrainJob(to_dict(cfg))()
+    finally:
+        other.kill()
+        other.wait()
+    assert f"in use by pid {other.pid}" in result["held_by"]
+
+
+def test_the_launch_that_ends_last_closes_the_parent(tmp_path: Path, sqlite_uri: str) -> None:
+    """A point held by another launch while this one looked, FINISHED by the time this one ends: the parent run
+    is FINISHED, not left RUNNING by both launches."""
+    from fp8rl.launch.sweep import PlannedRun, _finish_parent
+
+    definition = expand_points([["precision=bf16"], ["precision=fp8_full"]], ["scale=tiny"])
+    planned = prepare(definition, "shared", resolve_launcher("local"), sqlite_uri, tmp_path)
+    report = SweepReport("shared", sqlite_uri, "local", planned)
+    mark_existing(report, create=True, definition=definition)
+    client = mlflow_runs.client(sqlite_uri)
+    for run in report.runs:  # point 0 ran in the other launch, point 1 here
+        tags = {mlflow_runs.HASH_TAG: run.config_hash, "mlflow.parentRunId": report.parent_run_id}
+        client.set_terminated(client.create_run(report.experiment_id, tags=tags).info.run_id, "FINISHED")
+    first, second = report.runs
+    PlannedRun.mark_held(first, "pid 1 on another host")
+    second.take({"run_id": "r", "config_hash": second.config_hash})
+    _finish_parent(report)
+    assert first.status == "finished"
+    assert client.get_run(report.parent_run_id).info.status == "FINISHED"
+
+
+def test_a_sweep_on_a_fresh_clone_passes_preflight_without_a_warm_start_cache(tmp_path: Path, monkeypatch) -> None:
+    """The sweep pins the default warmstart.cache_dir to an absolute path (jobs elsewhere share it); preflight took
+    that for a chosen folder that does not exist, so every point of `make reproduce` on a fresh clone failed."""
+    from fp8rl.preflight import PreflightError, check_environment
+
+    monkeypatch.chdir(tmp_path)  # no .cache/ here
+    definition = expand_points([["precision=bf16"]], ["scale=tiny"])
+    (run,) = prepare(definition, "fresh", resolve_launcher("local"), "sqlite:///x.db", tmp_path)
+    assert Path(run.cfg.warmstart.cache_dir).is_absolute() and not Path(run.cfg.warmstart.cache_dir).exists()
+    check_environment(run.cfg)
+    from fp8rl.config import with_overrides
+
+    with pytest.raises(PreflightError, match="does not exist"):
+        check_environment(with_overrides(run.cfg, {"warmstart.cache_dir": str(tmp_path / "typo")}))
