@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fp8rl.tracking.mlflow_tracker import CONFIG_HASH_TAG, ensure_experiment, resolve_tracking_uri
+from fp8rl.tracking.mlflow_tracker import CONFIG_HASH_TAG, ensure_experiment, mlflow_client, resolve_tracking_uri
 
 HASH_TAG = CONFIG_HASH_TAG
 SWEEP_TAG = "fp8rl.sweep"
@@ -37,9 +37,8 @@ def store_exists(uri: str) -> bool:
 
 
 def client(uri: str):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
+    """An MlflowClient for `uri` (a new sqlite store's tables created by one process at a time)."""
+    return mlflow_client(uri)
 
 
 def experiment_id(mlflow_client: Any, name: str, create: bool) -> str | None:
