@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -45,10 +45,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class StartWeights:
-    """The policy's architecture and the tensors it starts from (None: a fresh random initialisation)."""
+    """The policy's architecture and the tensors it starts from (None: a fresh random initialisation; from a HF
+    checkpoint, a mapping that reads each tensor when a rank loads its part)."""
 
     model_cfg: ModelConfig
-    tensors: dict[str, torch.Tensor] | None
+    tensors: Mapping[str, torch.Tensor] | None
     source: str  # where they came from, for the run's description
     details: dict = dataclasses.field(default_factory=dict)  # the warm start's identity, accuracy and machine
 
@@ -113,10 +114,10 @@ def task_for_layout(cfg: RunConfig, layout: ParallelLayout) -> TaskConfig:
 def start_weights(cfg: RunConfig, task: Task, hf_folder: str | None, dims: ParallelDims) -> StartWeights:
     """The start weights of the policy (module docstring)."""
     if hf_folder is not None:
-        from fp8rl.models.hf import hf_to_megatron, model_config_from_hf_folder, read_hf_tensors
+        from fp8rl.models.hf import megatron_state_from_hf_folder, model_config_from_hf_folder
 
         model_cfg = model_config_from_hf_folder(hf_folder)
-        tensors = hf_to_megatron({k: v.float() for k, v in read_hf_tensors(hf_folder).items()}, model_cfg)
+        tensors = megatron_state_from_hf_folder(hf_folder, model_cfg)  # read when this rank's part is loaded
         return StartWeights(model_cfg, tensors, f"Hugging Face checkpoint {cfg.model.hf_path}")
     model_cfg = with_tokenizer_vocab(get_model_config(cfg.model.preset), task.tokenizer.vocab_size)
     if cfg.warmstart.steps == 0 or not hasattr(task, "target_ids"):

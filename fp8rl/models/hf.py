@@ -275,12 +275,9 @@ def _split(rule: _Rule, tensor: Tensor, cfg: ModelConfig) -> tuple[Tensor, ...]:
     return (tensor,)
 
 
-def hf_to_megatron(hf_tensors: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """HF tensors -> the GPTModel's state dict (without megatron's ``_extra_state`` entries).
-
-    Every expected HF tensor must be there; an unexpected one raises (a tied ``lm_head.weight`` equal to
-    the embedding is accepted and dropped). Tensors keep their dtype.
-    """
+def _checked_rules(hf_tensors: Mapping[str, Tensor], cfg: ModelConfig) -> list[_Rule]:
+    """The mapping's rules, once every expected HF tensor is there and no unexpected one (a tied ``lm_head.weight``
+    equal to the embedding is accepted and dropped); the names only are read, and the two tied tensors."""
     rules = _mapping_rules(cfg)
     missing = [name for rule in rules for name in rule.hf if name not in hf_tensors]
     expected = {name for rule in rules for name in rule.hf}
@@ -293,7 +290,37 @@ def hf_to_megatron(hf_tensors: Mapping[str, Tensor], cfg: ModelConfig) -> dict[s
         raise HFConversionError(
             f"HF tensors do not match the config: missing {missing[:8]}, unexpected {unexpected[:8]}"
         )
-    return {rule.megatron: _merge(rule, [hf_tensors[n] for n in rule.hf], cfg) for rule in rules}
+    return rules
+
+
+def hf_to_megatron(hf_tensors: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """HF tensors -> the GPTModel's state dict (without megatron's ``_extra_state`` entries), every tensor at once.
+
+    Every expected HF tensor must be there; an unexpected one raises (a tied ``lm_head.weight`` equal to
+    the embedding is accepted and dropped). Tensors keep their dtype.
+    """
+    return dict(MegatronStateFromHF(hf_tensors, cfg, dtype=None))
+
+
+class MegatronStateFromHF(Mapping[str, Tensor]):
+    """:func:`hf_to_megatron` as a mapping whose tensors are built when asked: each from its HF parts (read then,
+    from a `LazyHFTensors`), merged and cast to `dtype` (None: kept). A rank that loads its TP shard or its
+    pipeline stage from it holds one full tensor at a time, not the whole model in FP32 (issue 25, item 8)."""
+
+    def __init__(self, hf_tensors: Mapping[str, Tensor], cfg: ModelConfig, dtype: torch.dtype | None) -> None:
+        self._hf, self._cfg, self._dtype = hf_tensors, cfg, dtype
+        self._rules = {rule.megatron: rule for rule in _checked_rules(hf_tensors, cfg)}
+
+    def __getitem__(self, name: str) -> Tensor:
+        rule = self._rules[name]
+        tensor = _merge(rule, [self._hf[part] for part in rule.hf], self._cfg)
+        return tensor if self._dtype is None else tensor.to(self._dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
 
 
 def iter_hf_tensors(megatron_tensors: Mapping[str, Any], cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
@@ -333,18 +360,48 @@ def local_names(model: torch.nn.Module, state: dict[str, Tensor]) -> dict[str, T
 # Folders
 
 
-def read_hf_tensors(directory: str | Path) -> dict[str, Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
-    directory = Path(directory)
+def _weight_files(directory: Path) -> list[Path]:
+    """``model.safetensors``, or the shards listed in ``model.safetensors.index.json``."""
     if (directory / WEIGHTS_NAME).exists():
-        return safetensors.torch.load_file(str(directory / WEIGHTS_NAME))
+        return [directory / WEIGHTS_NAME]
     if (directory / INDEX_NAME).exists():
         shards = sorted(set(json.loads((directory / INDEX_NAME).read_text())["weight_map"].values()))
-        tensors: dict[str, Tensor] = {}
-        for shard in shards:
-            tensors.update(safetensors.torch.load_file(str(directory / shard)))
-        return tensors
+        return [directory / shard for shard in shards]
     raise FileNotFoundError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {directory}")
+
+
+def read_hf_tensors(directory: str | Path) -> dict[str, Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+    tensors: dict[str, Tensor] = {}
+    for file in _weight_files(Path(directory)):
+        tensors.update(safetensors.torch.load_file(str(file)))
+    return tensors
+
+
+class LazyHFTensors(Mapping[str, Tensor]):
+    """The tensors of a HF folder's safetensors files, each read from its file when asked (``safe_open``: the
+    header at construction, one tensor's bytes per lookup), so nothing is held that the caller does not keep."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self._file: dict[str, str] = {}
+        for file in _weight_files(Path(directory)):
+            with safetensors.safe_open(str(file), framework="pt") as handle:
+                self._file.update((name, str(file)) for name in handle.keys())  # noqa: SIM118 - not a dict
+
+    def __getitem__(self, name: str) -> Tensor:
+        with safetensors.safe_open(self._file[name], framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+
+def megatron_state_from_hf_folder(directory: str | Path, cfg: ModelConfig) -> MegatronStateFromHF:
+    """The GPTModel state of a local HF folder in FP32 master precision, read tensor by tensor when asked."""
+    return MegatronStateFromHF(LazyHFTensors(directory), cfg, dtype=torch.float32)
 
 
 def model_config_from_hf_folder(directory: str | Path, name: str | None = None) -> ModelConfig:
@@ -362,7 +419,7 @@ def load_hf_checkpoint(directory: str | Path, name: str | None = None) -> tuple[
 
     directory = Path(directory)
     cfg = model_config_from_hf_folder(directory, name=name)
-    state = hf_to_megatron({k: v.float() for k, v in read_hf_tensors(directory).items()}, cfg)
+    state = megatron_state_from_hf_folder(directory, cfg)
     model = build_gpt_model(cfg)
     # megatron's linears add their missing ``_extra_state`` keys in a load pre-hook, so strict loading works.
     model.load_state_dict(state, strict=True)

@@ -22,7 +22,7 @@ The caller enters the precision context (`fp8rl.trainer.precision.running_in`) a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ def shard_for_tensor_parallel(full: Tensor, param: Tensor, tp_rank: int, tp_size
 
 
 def build_policy(
-    cfg: ModelConfig, full_state: dict[str, Tensor] | None, seed: int, device: torch.device, dims: ParallelDims
+    cfg: ModelConfig, full_state: Mapping[str, Tensor] | None, seed: int, device: torch.device, dims: ParallelDims
 ) -> Policy:
     """This rank's policy with the full start weights (None: the seed's initialisation of the whole model)."""
     if dims.pp > 1:
@@ -73,9 +73,10 @@ def build_policy(
     return Policy(module.to(device), cfg, dims)
 
 
-def load_full_state(module: torch.nn.Module, full_state: dict[str, Tensor], dims: ParallelDims) -> None:
+def load_full_state(module: torch.nn.Module, full_state: Mapping[str, Tensor], dims: ParallelDims) -> None:
     """Load a full (TP = 1) state dict into this rank's TP shard; only megatron's ``_extra_state`` may be
-    missing and nothing may be left over."""
+    missing and nothing may be left over. Read entry by entry: from a lazy mapping (a HF checkpoint) a rank holds
+    its shards and one full tensor at a time."""
     params = dict(module.named_parameters())
     shards = {
         key: shard_for_tensor_parallel(value, params[key], dims.tp_rank, dims.tp) if key in params else value

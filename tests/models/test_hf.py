@@ -310,3 +310,97 @@ def test_exported_task_tokenizer_loads_in_transformers(tmp_path):
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert hf_tokenizer("12+3=")["input_ids"] == tokenizer.encode("12+3=")
     assert hf_tokenizer.eos_token_id == tokenizer.eos_id
+
+
+# --------------------------------------------------------------------------------------------------
+# Host memory at start-up (issue 25, item 8): the checkpoint is read tensor by tensor, each rank keeping its part
+
+
+class _CountingReads(dict):
+    """HF tensors that count each read and track which read tensors are still alive (and their bytes)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.reads, self.alive, self.peak = 0, 0, 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import weakref
+
+        self.reads += 1
+        tensor = super().__getitem__(name).clone()  # a fresh tensor, as a read from the file is
+        self.alive += tensor.nbytes
+        self.peak = max(self.peak, self.alive)
+        weakref.finalize(tensor, self._freed, tensor.nbytes)
+        return tensor
+
+    def _freed(self, nbytes: int) -> None:
+        self.alive -= nbytes
+
+
+def test_a_checkpoints_megatron_state_is_read_when_asked_and_equals_the_eager_one(tmp_path):
+    from fp8rl.models.hf import LazyHFTensors, MegatronStateFromHF, megatron_state_from_hf_folder
+
+    cfg = ARCHS["qwen3"]
+    save_hf_checkpoint(randomized(build_gpt_model(cfg, seed=0), seed=3), cfg, tmp_path, dtype=torch.bfloat16)
+    lazy = megatron_state_from_hf_folder(tmp_path, cfg)
+    eager = hf_to_megatron({k: v.float() for k, v in read_hf_tensors(tmp_path).items()}, cfg)
+    assert isinstance(lazy, MegatronStateFromHF) and list(lazy) == list(eager)
+    assert all(lazy[k].dtype == torch.float32 and torch.equal(lazy[k], eager[k]) for k in eager)
+    assert set(LazyHFTensors(tmp_path)) == set(read_hf_tensors(tmp_path))
+
+    counting = _CountingReads(read_hf_tensors(tmp_path))
+    state = MegatronStateFromHF(counting, cfg, dtype=torch.float32)
+    assert counting.reads == 0, "building the mapping reads names only"
+    state["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert counting.reads == 3, "one megatron tensor reads its HF parts (q, k, v) and nothing else"
+
+
+def test_a_tensor_parallel_rank_holds_one_full_tensor_at_a_time(tmp_path):
+    """Loading this rank's TP shard from the lazy state: the full FP32 tensors are read one by one and dropped
+    once sharded, so the peak is this rank's shards plus one full tensor (before: the whole model in the
+    checkpoint's dtype and again in FP32, on every rank: > 190 GB for Qwen2.5-32B)."""
+    from types import SimpleNamespace
+
+    from fp8rl.models.hf import MegatronStateFromHF
+    from fp8rl.models.policy import load_full_state
+
+    cfg = ARCHS["qwen3"]
+    full = build_gpt_model(cfg, seed=0)
+    save_hf_checkpoint(randomized(full, seed=3), cfg, tmp_path)
+    counting = _CountingReads(read_hf_tensors(tmp_path))
+    state = MegatronStateFromHF(counting, cfg, dtype=torch.float32)
+    shard = _tensor_parallel_half(full)
+    load_full_state(shard, state, SimpleNamespace(tp=2, tp_rank=1))
+    peak = counting.peak
+    total = sum(t.nbytes for t in read_hf_tensors(tmp_path).values())
+    largest_read = max(sum(counting[p].nbytes for p in parts) for parts in _hf_parts(cfg))
+    kept = sum(p.nbytes for p in shard.parameters())
+    assert peak <= kept + 2 * largest_read < total, (peak, kept, largest_read, total)
+
+
+def _hf_parts(cfg: ModelConfig) -> list[tuple[str, ...]]:
+    from fp8rl.models.hf import _mapping_rules
+
+    return [rule.hf for rule in _mapping_rules(cfg)]
+
+
+def _tensor_parallel_half(model: torch.nn.Module) -> torch.nn.Module:
+    """A module with `model`'s parameter names and TP = 2 shapes (megatron's partition_dim / stride), standing in
+    for a TP = 2 rank's GPTModel (which needs two processes)."""
+    half = torch.nn.Module()
+    for name, param in model.named_parameters():
+        shape = list(param.shape)
+        if getattr(param, "tensor_model_parallel", False):
+            shape[param.partition_dim] //= 2
+        new = torch.nn.Parameter(torch.zeros(shape))
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(param, attr):
+                setattr(new, attr, getattr(param, attr))
+        owner = half
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, new)
+    return half
