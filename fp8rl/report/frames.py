@@ -261,8 +261,20 @@ def paired_differences(
             diffs = [arm.at[s, label] - ref.at[s, label] for s in seeds]
             diffs = [d for d in diffs if not pd.isna(d)]
             mean, low, high = t_interval(diffs)
-            rows.append({group: name, "metric": label, "n": len(diffs), "mean": mean, "ci_low": low, "ci_high": high})
-    return pd.DataFrame(rows, columns=[group, "metric", "n", "mean", "ci_low", "ci_high"])
+            p = float(stats.ttest_1samp(diffs, 0.0).pvalue) if len(diffs) >= 2 and not math.isnan(low) else math.nan
+            rows.append(
+                {group: name, "metric": label, "n": len(diffs), "mean": mean, "ci_low": low, "ci_high": high, "p": p}
+            )
+    return pd.DataFrame(rows, columns=[group, "metric", "n", "mean", "ci_low", "ci_high", "p"])
+
+
+def holm(pvalues: pd.Series) -> pd.Series:
+    """Holm's step-down adjustment of a family of p-values (NaN left out of the family and kept NaN): the k-th
+    smallest of m times (m - k + 1), running maximum, capped at 1."""
+    family = pvalues.dropna().sort_values()
+    m = len(family)
+    adjusted = (family * [m - k for k in range(m)]).cummax().clip(upper=1.0)
+    return adjusted.reindex(pvalues.index)
 
 
 def paired_cells(paired: pd.DataFrame, group: str, columns: Sequence[Column]) -> pd.DataFrame:
@@ -275,6 +287,8 @@ def paired_cells(paired: pd.DataFrame, group: str, columns: Sequence[Column]) ->
         cell = "-" if pd.isna(row.mean) else _signed(fmt[label], row.mean)
         if not pd.isna(row.ci_low):
             cell += f" [{_signed(fmt[label], row.ci_low)}, {_signed(fmt[label], row.ci_high)}]"
+        if getattr(row, "p_holm", math.nan) < 1 - CONFIDENCE:
+            cell += " *"
         if row.n != most[name] and not pd.isna(row.mean):
             cell += f" (n={row.n})"
         out.setdefault(name, {group: name, "n": int(most[name])})[label] = cell

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from scipy import stats
 
 from fp8rl.report.frames import (
     CONFIDENCE,
@@ -33,6 +34,7 @@ from fp8rl.report.frames import (
     RunData,
     cells,
     grouped,
+    holm,
     load_runs,
     newest_per_seed,
     paired_cells,
@@ -83,18 +85,24 @@ PAIRED_LABELS = (
 )
 REFERENCE_ARM = "bf16"
 CALIBRATED = "calibrated"  # clipping.policy of a Calibrated Clipping arm
+HOLM_NOTE = (
+    f" `*`: the difference is still significant at {1 - CONFIDENCE:.0%} after Holm's correction over this section's "
+    "arms, per metric (one-sample t-tests of the per-seed differences; `p` and `p_holm` in the `.paired.csv`)."
+)
 AGAINST_BF16 = (
     f"Per-seed paired differences against `{REFERENCE_ARM}` (same seed): mean [{CONFIDENCE:.0%} t-interval over the n "
-    "seeds]; an interval that excludes 0 is a difference at that level, one that includes it is not."
+    "seeds]; an interval that excludes 0 is a difference at that level, one that includes it is not." + HOLM_NOTE
 )
 AGAINST_VANILLA = (
     "Per-seed paired differences of each Calibrated Clipping arm against the vanilla FP8 arm with the same precision "
-    f"settings (`against`, same seed; mean [{CONFIDENCE:.0%} t-interval])."
+    f"settings (`against`, same seed; mean [{CONFIDENCE:.0%} t-interval])." + HOLM_NOTE
 )
+BOOTSTRAP_RESAMPLES = 9999
 EXCESS_NOTE = (
     f" `excess removed`: the share of the vanilla arm's excess `clip/low_neg` over `{REFERENCE_ARM}`'s that Calibrated "
     "Clipping removes, 1 - (CC - BF16) / (vanilla - BF16), from the means over the seeds where all three arms have a "
-    "value on the same steps (`-` where vanilla does not exceed BF16)."
+    f"value on the same steps (`-` where vanilla does not exceed BF16), with a {CONFIDENCE:.0%} paired percentile "
+    f"bootstrap interval over those seeds ({BOOTSTRAP_RESAMPLES} resamples; none below 3 seeds)."
 )
 # the columns whose excess over BF16 the comparison with vanilla FP8 reports as a share removed
 EXCESS_LABELS = ("clip/low_neg (mean)", "clip/low_neg after 1st calibration")
@@ -285,6 +293,7 @@ def _paired_against(
         comparable = _unpaired_windows_left_out(both, arm, columns, run_data, reference)
         frames.append(paired_differences(comparable, arm, reference, labels).assign(against=reference))
     paired = pd.concat(frames, ignore_index=True)
+    paired["p_holm"] = paired.groupby("metric")["p"].transform(holm)  # the section's arms are one family per metric
     return paired[[arm, "against", *(c for c in paired.columns if c not in (arm, "against"))]]
 
 
@@ -303,11 +312,40 @@ def _excess_removed(
         row = {arm: name}
         for label in labels:
             values = trio.drop_duplicates([arm, "seed"]).pivot(index="seed", columns=arm, values=label).dropna()
-            cc, van, ref = (values[a].mean() if a in values else math.nan for a in (name, vanilla, REFERENCE_ARM))
-            removed = 1 - (cc - ref) / (van - ref) if van > ref else math.nan
-            row[f"excess removed, {label}"] = "-" if pd.isna(removed) else f"{removed:.0%}"
+            row[f"excess removed, {label}"] = _share_removed_cell(values, name, vanilla)
         rows.append(row)
     return pd.DataFrame(rows, columns=[arm, *(f"excess removed, {label}" for label in labels)])
+
+
+def excess_removed(cc: Any, vanilla: Any, reference: Any, axis: int = -1) -> Any:
+    """1 - (CC - BF16) / (vanilla - BF16) of the means over the last axis (the seeds): the share of vanilla's excess
+    over BF16 that Calibrated Clipping removes."""
+    mean_ref = reference.mean(axis=axis)
+    return 1 - (cc.mean(axis=axis) - mean_ref) / (vanilla.mean(axis=axis) - mean_ref)
+
+
+def _share_removed_cell(values: pd.DataFrame, name: str, vanilla: str) -> str:
+    """ "80% [66%, 94%]": `excess_removed` over the seeds (rows of `values`) with a paired percentile bootstrap
+    interval (scipy.stats.bootstrap, resampling seeds, fixed seed); "-" where vanilla's mean does not exceed BF16's."""
+    if not all(a in values for a in (name, vanilla, REFERENCE_ARM)) or len(values) == 0:
+        return "-"
+    cc, van, ref = (values[a].to_numpy(dtype=float) for a in (name, vanilla, REFERENCE_ARM))
+    if not van.mean() > ref.mean():
+        return "-"
+    share = float(excess_removed(cc, van, ref))
+    if len(values) < 3:
+        return f"{share:.0%}"
+    interval = stats.bootstrap(
+        (cc, van, ref),
+        excess_removed,
+        paired=True,
+        vectorized=True,
+        n_resamples=BOOTSTRAP_RESAMPLES,
+        confidence_level=CONFIDENCE,
+        method="percentile",
+        random_state=0,
+    ).confidence_interval
+    return f"{share:.0%} [{interval.low:.0%}, {interval.high:.0%}]"
 
 
 def _unpaired_windows_left_out(
