@@ -9,10 +9,7 @@ from typing import Any
 import torch
 
 from fp8rl.models.gpt import fp8_autocast
-
-
-def is_te_model(model: torch.nn.Module) -> bool:
-    return getattr(getattr(model, "module", model), "fp8rl_backend", None) == "te"
+from fp8rl.models.logprobs import is_te_model
 
 
 def fp8_recipe_block(model: torch.nn.Module, recipe: Any) -> AbstractContextManager:

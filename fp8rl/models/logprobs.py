@@ -5,10 +5,11 @@ LEFT-padded and responses RIGHT-padded, so every response starts at the same col
 ``response_len`` columns are the response. ``attention_mask`` (b, s) is 1 on real tokens, 0 on pads.
 
 Masking: megatron's local attention takes a boolean (b, 1, sq, sk) mask, True = masked; we pass
-causal AND key-is-pad. RoPE in megatron's GPTModel ignores ``position_ids`` (it rotates by column
-index); because RoPE scores depend only on the distance between query and key, a left-padded row
-gives the same scores as the unpadded sequence. ``position_ids`` are still passed (from the mask) so
-a learned-absolute embedding would also be right.
+causal AND key-is-pad. A Transformer Engine model takes the (b, s) token mask instead (it packs the batch,
+`fp8rl.models.te_backend`): `model_attention_mask` picks, so the O(b s^2) mask is never built for it.
+RoPE in megatron's GPTModel ignores ``position_ids`` (it rotates by column index); because RoPE scores depend
+only on the distance between query and key, a left-padded row gives the same scores as the unpadded sequence.
+``position_ids`` are still passed (from the mask) so a learned-absolute embedding would also be right.
 """
 
 from __future__ import annotations
@@ -47,6 +48,18 @@ def causal_padding_mask(attention_mask: Tensor) -> Tensor:
     return future[None, None] | pad_key
 
 
+def is_te_model(model: torch.nn.Module) -> bool:
+    """Built by `fp8rl.models.te_backend` (Transformer Engine layers), inside Megatron's DDP wrapper or not."""
+    return getattr(getattr(model, "module", model), "fp8rl_backend", None) == "te"
+
+
+def model_attention_mask(model: torch.nn.Module, attention_mask: Tensor) -> Tensor:
+    """The mask `model` takes for a padded batch (attention_mask (b, s), 1 = token): the (b, s) token mask for a
+    Transformer Engine model, which packs the batch from it (the (b, 1, s, s) mask would be 268 MB of bools per
+    16K-token row, built only to read its last row back), else the local spec's causal | key-is-pad mask."""
+    return attention_mask.bool() if is_te_model(model) else causal_padding_mask(attention_mask)
+
+
 def decode_step_mask(attention_mask: Tensor) -> Tensor:
     """Mask for one new query over all cached keys: (b, k) with 1 = token -> (b, 1, 1, k) bool, True = masked."""
     return ~attention_mask.bool()[:, None, None, :]
@@ -59,12 +72,8 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 def forward_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """Logits of ``model`` for a padded batch: input_ids (b, s), attention_mask (b, s) -> (b, s, vocab)."""
-    logits = model(
-        input_ids,
-        position_ids_from_mask(attention_mask),
-        causal_padding_mask(attention_mask),
-    )
-    if getattr(getattr(model, "module", model), "fp8rl_backend", None) == "te":  # TP-sharded vocabulary
+    logits = model(input_ids, position_ids_from_mask(attention_mask), model_attention_mask(model, attention_mask))
+    if is_te_model(model):  # TP-sharded vocabulary
         from fp8rl.models.te_backend import gather_vocab_parallel
 
         logits = gather_vocab_parallel(logits)

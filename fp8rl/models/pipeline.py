@@ -50,8 +50,8 @@ from fp8rl.models.config import ModelConfig
 from fp8rl.models.gpt import build_gpt_model, fp8_switchable_layer_spec, transformer_config
 from fp8rl.models.logprobs import (
     Sequences,
-    causal_padding_mask,
     logprobs_and_entropy_from_logits,
+    model_attention_mask,
     position_ids_from_mask,
 )
 
@@ -240,7 +240,7 @@ def _forward_step(precision: Precision, data_iterator, model):
     mb = next(data_iterator)
     ids, am = mb.input_ids, mb.attention_mask
     with precision():
-        output = model(ids, position_ids_from_mask(am), causal_padding_mask(am))
+        output = model(ids, position_ids_from_mask(am), model_attention_mask(model, am))
     return output, mb
 
 

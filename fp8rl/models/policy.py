@@ -36,8 +36,8 @@ from fp8rl.models.gpt import build_gpt_model
 from fp8rl.models.logprobs import (
     SequenceBatch,
     Sequences,
-    causal_padding_mask,
     logprobs_and_entropy_from_logits,
+    model_attention_mask,
     position_ids_from_mask,
 )
 from fp8rl.models.sampling import SamplingConfig
@@ -144,7 +144,8 @@ class Policy:
         input_ids, attention_mask, response_len = batch.input_ids, batch.attention_mask, batch.response_len
         context = contextlib.nullcontext() if grad else torch.no_grad()
         with context:
-            logits = self.module(input_ids, position_ids_from_mask(attention_mask), causal_padding_mask(attention_mask))
+            mask = model_attention_mask(self.module, attention_mask)
+            logits = self.module(input_ids, position_ids_from_mask(attention_mask), mask)
             return self.response_logprobs(logits, input_ids, response_len, temperature, vocab_size)
 
     # ------------------------------------------------------------------------------------------ training

@@ -435,10 +435,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def is_te_model(model: torch.nn.Module) -> bool:
-    return getattr(unwrap(model), "fp8rl_backend", None) == "te"
-
-
 def te_optimizer_config_kwargs(layout: ParallelLayout, lr: float, weight_decay: float) -> dict[str, Any]:
     """megatron OptimizerConfig arguments of `policy_optimizer` (a dict, testable without a GPU).
 

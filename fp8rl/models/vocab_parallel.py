@@ -126,11 +126,11 @@ def tp_token_logprobs_and_entropy(
     """
     from megatron.core import parallel_state
 
-    from fp8rl.models.logprobs import causal_padding_mask, position_ids_from_mask
+    from fp8rl.models.logprobs import model_attention_mask, position_ids_from_mask
 
     if not 0 < response_len < input_ids.size(1):
         raise ValueError(f"response_len={response_len} must be in (0, {input_ids.size(1)})")
-    logits = model(input_ids, position_ids_from_mask(attention_mask), causal_padding_mask(attention_mask))
+    logits = model(input_ids, position_ids_from_mask(attention_mask), model_attention_mask(model, attention_mask))
     width = logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * width
     return vocab_parallel_logprobs_and_entropy(

@@ -78,3 +78,36 @@ def test_response_len_is_checked(tiny_model):
     ids = torch.ones(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="response_len"):
         token_logprobs_and_entropy(tiny_model, ids, torch.ones_like(ids), response_len=4)
+
+
+class _MaskRecorder(torch.nn.Module):
+    """Stands in for a GPTModel: records the mask it is called with, returns zero logits (b, s, 5)."""
+
+    def __init__(self, backend: str | None) -> None:
+        super().__init__()
+        if backend is not None:
+            self.fp8rl_backend = backend
+        self.masks: list[torch.Tensor] = []
+
+    def forward(self, input_ids, position_ids, attention_mask):
+        self.masks.append(attention_mask)
+        return torch.zeros(*input_ids.shape, 5)
+
+
+def test_a_transformer_engine_model_gets_the_token_mask_not_the_quadratic_one():
+    """Issue 25, item 9: the TE model packs the batch from the (b, s) token mask; building the (b, 1, s, s) mask
+    for it cost O(b s^2) bools (268 MB per 16K-token row) only to read its last row back."""
+    from types import SimpleNamespace
+
+    from fp8rl.models.logprobs import model_attention_mask
+    from fp8rl.models.policy import Policy
+
+    ids = torch.tensor([[0, 0, 3, 4, 2], [1, 3, 3, 4, 2]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    for backend, shape in ((None, (2, 1, 5, 5)), ("te", (2, 5))):
+        model = _MaskRecorder(backend)
+        assert model_attention_mask(model, mask).shape == shape
+        policy = Policy(model, cfg=None, dims=SimpleNamespace(tp=1, pp=1))
+        policy.logprobs(ids, mask, response_len=2, temperature=1.0, vocab_size=None)
+        assert [m.shape for m in model.masks] == [shape]
+    assert torch.equal(model_attention_mask(_MaskRecorder("te"), mask), mask.bool())
