@@ -5,9 +5,12 @@ and are reported as skipped on a host without them):
 
 - ``environment``: the device, torch / CUDA, which modules import, the GPU bundle, ``check_gpu_environment`` per
   TE recipe (information, not scored).
-- ``probe``, ``quantizers``, ``gemm``, ``train_step``, ``rl``: `gpu_sections` (torch + the bundle: torchao,
-  megatron-core, math-verify).
+- ``probe``, ``quantizers``, ``gemm``, ``train_step`` (eager), ``rl``: `gpu_sections` (torch + the bundle:
+  torchao, megatron-core, math-verify).
+- ``torchao_rl``: fp8rl's ``precision.backend=torchao`` in the tiny RL run beside the emulated backend (not required).
 - ``gpu_tests``: the GPU-marked tests (pytest, JUnit counts).
+- ``train_step_compiled``: the training step ``torch.compile``d per layer (GPU only; last, so that compile time
+  costs no other section).
 - ``te_train_step``: BF16 vs FP8 tensorwise vs blockwise training steps through megatron's Transformer Engine spec
   (targets: tensorwise >= 1.3x, blockwise >= 1.1x BF16 throughput).
 - ``vllm``: vLLM decode BF16 vs FP8 (``fp8_per_tensor``) on a small Qwen3-shaped model, in-process,
@@ -434,8 +437,8 @@ SECTIONS: dict[str, Section] = {
         Section("gemm", lambda a, d: gpu_sections.gemm(d), 90, required=True),
         Section(
             "train_step",
-            lambda a, d: gpu_sections.train_step(d, a.layers, a.seq, a.micro, a.repeats),
-            240,
+            lambda a, d: gpu_sections.train_step(d, a.layers, a.seq, a.micro, a.repeats, ("eager",)),
+            120,
             needs=("torchao",),
             required=True,
         ),
@@ -446,7 +449,17 @@ SECTIONS: dict[str, Section] = {
             needs=("megatron.core", "math_verify"),
             required=True,
         ),
+        Section("torchao_rl", lambda a, d: gpu_sections.torchao_rl(d), 150, needs=("megatron.core", "torchao")),
         Section("gpu_tests", lambda a, d: {}, 120),  # run by the driver itself (pytest is its own process)
+        # Last: torch.compile's first compilations are the slowest part of the check, and a timeout here costs
+        # no other section its numbers.
+        Section(
+            "train_step_compiled",
+            lambda a, d: gpu_sections.train_step(d, a.layers, a.seq, a.micro, a.repeats, ("compiled",)),
+            200,
+            needs=("torchao",),
+            cuda_only=True,
+        ),
         Section("te_train_step", _te_train_step, 150, needs=("megatron.core", "transformer_engine"), cuda_only=True),
         Section("vllm", _vllm, 150, needs=("vllm",), cuda_only=True),
         Section("mismatch", _mismatch, 120, needs=("vllm", "transformer_engine", "megatron.core"), cuda_only=True),
@@ -665,7 +678,7 @@ def summary_line(name: str, r: dict[str, Any]) -> str:
         ran = [f"{rec} {g}" for rec, row in r["table"].items() for g, v in row.items() if "rel" in v["hardware"]]
         where = "the GPU's" if r.get("device") == "cuda" else "the CPU's"
         return f"{len(ran)} of {3 * len(r['table'])} GEMMs ran on {where} scaled_mm, each within its bound"
-    if name == "train_step":
+    if name in ("train_step", "train_step_compiled"):
         parts = [
             f"{m} {rec} {v:.2f}x"
             for m, d in r["speedup_over_bf16"].items()
@@ -677,6 +690,12 @@ def summary_line(name: str, r: dict[str, Any]) -> str:
     if name == "rl":
         where = "GPU and CPU" if r["device"] == "cuda" else "the CPU only"
         return f"{r['steps']} steps x {len(r['arms'])} arms on {where}"
+    if name == "torchao_rl":
+        times = [
+            f"{rec} {fmt(c['step_time_s']['torchao'])} s/step (emulated {fmt(c['step_time_s']['emulated'])})"
+            for rec, c in r["comparison"].items()
+        ]
+        return f"precision.backend=torchao, {r['steps']} steps on {r['device']}: " + ", ".join(times)
     return f"{len(r.get('checks', []))} checks held"
 
 
@@ -705,7 +724,7 @@ def section_tables(name: str, r: dict[str, Any]) -> list[str]:
                     f"| {rec} | {g} | {row['reduction']} | {cell[0]} | {cell[1]} | {cell[2]} | "
                     f"{row['emulator_rel']:.2e} ({row['emulator_bound']:.2e}) |"
                 )
-    if name == "train_step" and "seconds" in r:
+    if name in ("train_step", "train_step_compiled") and "seconds" in r:
         lines += ["| mode | recipe | s/step | tokens/s | x BF16 |", "|---|---|---|---|---|"]
         for mode, d in r["seconds"].items():
             for rec, s in d.items():
@@ -736,6 +755,21 @@ def section_tables(name: str, r: dict[str, Any]) -> list[str]:
                 lines.append(
                     f"| {arm} | {step} | " + " | ".join(fmt(m.get(k)) for k in gpu_sections.RL_KEY_METRICS) + " |"
                 )
+    if name == "torchao_rl" and "comparison" in r:
+        lines += ["| GEMM probe (100 tokens) | outcome |", "|---|---|"]
+        lines += [f"| {case} | {outcome[:200]} |" for case, outcome in r["padding"].items()]
+        for recipe, comp in r["comparison"].items():
+            lines += [
+                "",
+                f"{recipe} (torchao / emulated per cell)",
+                "",
+                "| step | " + " | ".join(gpu_sections.RL_KEY_METRICS) + " |",
+                "|---|" + "---|" * len(gpu_sections.RL_KEY_METRICS),
+            ]
+            for row in comp["per_step"]:
+                cells = [f"{fmt(row[k]['torchao'])} / {fmt(row[k]['emulated'])}" for k in gpu_sections.RL_KEY_METRICS]
+                lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
+        lines += ["", r["expected"]]
     return lines
 
 
@@ -828,6 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         args.result.write_text(json.dumps(run_one(args.run_section, args), default=str))
         return 0
     deadline = time.monotonic() + args.budget_s
+    args.out.mkdir(parents=True, exist_ok=True)
     device = device_name()
     if not torch.cuda.is_available():
         print("no CUDA device: a CPU rehearsal (the GPU parts skip; the verdict cannot be a pass)", file=sys.stderr)

@@ -22,6 +22,10 @@ failed, or skipped.
   throughput ratios measured in this one run.
 - ``rl``: a few RL steps of the tiny task in three arms (BF16; full-pipeline FP8 tensorwise; FP8 + Calibrated
   Clipping), on the GPU and the same steps on the CPU, compared metric by metric.
+- ``torchao_rl``: fp8rl's own ``precision.backend=torchao`` (its block linears' FP8 GEMMs through torchao's float8
+  training: ``torch._scaled_mm`` on a GPU) in the tiny RL run, tensorwise and rowwise, beside the emulated backend's
+  same arm on the same device; and whether the real GEMMs need their inner dimension padded to 16 (an RL batch's
+  token count is the wgrad GEMM's inner dimension).
 
 API facts used here were checked against torch 2.13's installed source and torch's ScaledBlas.cpp (main branch):
 ``torch._scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False)``
@@ -719,10 +723,15 @@ def rl_arm_config(arm: str, device: str, steps: int, out_dir: str | None = None)
 
 def run_arm(arm: str, device: str, steps: int) -> dict[str, Any]:
     """`steps` RL steps of one arm in this process: per-step metrics (floats), the build and step times."""
+    return run_config(rl_arm_config(arm, device, steps, tempfile.mkdtemp(prefix="fp8rl-gpu-rl-")), device, steps)
+
+
+def run_config(cfg: Any, device: str, steps: int) -> dict[str, Any]:
+    """`steps` RL steps of a validated RunConfig in this process: per-step metrics (floats), the build time."""
     from fp8rl.job import build_trainer
 
     t = time.perf_counter()
-    trainer = build_trainer(rl_arm_config(arm, device, steps, tempfile.mkdtemp(prefix="fp8rl-gpu-rl-")))
+    trainer = build_trainer(cfg)
     built = time.perf_counter() - t
     history = []
     try:
@@ -880,5 +889,137 @@ def rl(device: str, steps: int = 4) -> dict[str, Any]:
         "gpu": "skipped: no CUDA device",
         "cpu": cpu,
         "expected": RL_EXPECTED,
+        "checks": checks,
+    }
+
+
+# ------------------------------------------------------------------------------------------- torchao_rl
+TORCHAO_RL_STEPS = 3
+
+
+def torchao_arm_config(recipe: str, backend: str, device: str, steps: int) -> Any:
+    """The tiny tables' vanilla FP8 arm of `recipe` (token TIS) on `backend` ("torchao" or "emulated")."""
+    from fp8rl.choices import validated
+    from fp8rl.config import RunConfig, with_overrides
+
+    changes = {
+        **TINY_SCALE,
+        "precision.mode": "fp8_full",
+        "precision.recipe": recipe,
+        "precision.backend": backend,
+        "clipping.rollout_correction": "tis_token",
+        "trainer.steps": steps,
+        "trainer.out_dir": tempfile.mkdtemp(prefix="fp8rl-gpu-torchao-"),
+        "model.device": device,
+        "tracking.enabled": False,
+    }
+    return validated(with_overrides(RunConfig(), changes))
+
+
+def torchao_padding_probe(device: str, rows: int = 100) -> dict[str, str]:
+    """Forward and backward of fp8rl's torchao GEMM with `rows` tokens (not a multiple of 16), the inner dimension
+    padded to 16 or not: "ran" or the error, per recipe. On the CPU (emulation) nothing is padded or probed."""
+    if device != "cuda":
+        return {"note": "the CPU runs torchao's emulation, which needs no padding"}
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+    from fp8rl.models.te_recipes import to_torchao_config
+
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for recipe in TORCHAO_RECIPES:
+        config = to_torchao_config(recipe)
+        gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
+        for pad in (False, True):
+            x = torch.randn(rows, 256, generator=gen).to(device, torch.bfloat16).requires_grad_()
+            w = torch.randn(512, 256, generator=gen).to(device, torch.bfloat16).requires_grad_()
+            mm = LinearMMConfig(*(ScaledMMConfig(False, g.use_fast_accum, False, pad) for g in gemms))
+            try:
+                matmul_with_hp_or_float8_args.apply(x, w.t(), mm, config).float().pow(2).mean().backward()
+                torch.cuda.synchronize()
+                out[f"{recipe}, pad_inner_dim={pad}"] = "ran (forward, dgrad, wgrad)"
+            except Exception as err:  # the refusal's text is the finding
+                out[f"{recipe}, pad_inner_dim={pad}"] = "refused: " + error_text(err)
+    return out
+
+
+def torchao_rl(device: str, steps: int = TORCHAO_RL_STEPS) -> dict[str, Any]:
+    """fp8rl's torchao backend against its emulated backend, arm by arm on the same device (the CPU rehearsal: one
+    step each, torchao's emulation)."""
+    try:
+        import math_verify  # noqa: F401
+        import megatron.core  # noqa: F401
+        import torchao.float8  # noqa: F401
+    except ImportError as err:
+        raise Skip(f"the trainer's stack or torchao is missing ({err}); they come with the GPU bundle") from err
+    from fp8rl.models.te_recipes import torchao_pads_inner_dim
+
+    if device != "cuda":
+        steps = 1
+    padding = torchao_padding_probe(device)
+    runs: dict[str, Any] = {}
+    for recipe in TORCHAO_RECIPES:
+        for backend in ("torchao", "emulated"):
+            try:
+                runs[f"{recipe}/{backend}"] = run_config(
+                    torchao_arm_config(recipe, backend, device, steps), device, steps
+                )
+            except Exception as err:  # one arm's failure is reported; the others still run
+                import traceback
+
+                runs[f"{recipe}/{backend}"] = {"error": error_text(err), "traceback": traceback.format_exc()[-3000:]}
+    comparison, checks = {}, []
+    for recipe in TORCHAO_RECIPES:
+        ao, em = runs[f"{recipe}/torchao"], runs[f"{recipe}/emulated"]
+        ran = "steps" in ao and len(ao["steps"]) == steps
+        checks.append(check(f"{recipe}: the torchao backend ran {steps} RL steps", ran, error=ao.get("error")))
+        if not ran or "steps" not in em:
+            continue
+        checks.append(
+            check(
+                f"{recipe}: every torchao metric finite", not finite(ao["steps"]), nonfinite=sorted(finite(ao["steps"]))
+            )
+        )
+        diff = ao["steps"][0]["rollout/reward"] - em["steps"][0]["rollout/reward"]
+        checks.append(
+            check(
+                f"{recipe}: step 0 mean reward within {RL_STEP0_REWARD_TOLERANCE} of the emulated backend's",
+                abs(diff) <= RL_STEP0_REWARD_TOLERANCE,
+                diff=diff,
+            )
+        )
+        comparison[recipe] = {
+            "per_step": [
+                {key: {"torchao": a.get(key), "emulated": e.get(key)} for key in RL_KEY_METRICS} | {"step": i}
+                for i, (a, e) in enumerate(zip(ao["steps"], em["steps"], strict=False))
+            ],
+            "step_time_s": {
+                name: statistics.median(m["time/step"] for m in run["steps"])
+                if "time/step" in run["steps"][0]
+                else None
+                for name, run in (("torchao", ao), ("emulated", em))
+            },
+        }
+    if device == "cuda":
+        needed = any(v.startswith("refused") for k, v in padding.items() if k.endswith("False"))
+        padded_ran = all(v.startswith("ran") for k, v in padding.items() if k.endswith("True"))
+        checks.append(check("the padded torchao GEMMs ran with 100 tokens", padded_ran))
+        checks.append(
+            check(
+                "fp8rl pads the real GEMMs' inner dimension where unpadded ones are refused",
+                torchao_pads_inner_dim(False) or not needed,
+                unpadded_refused=needed,
+            )
+        )
+    return {
+        "device": device,
+        "steps": steps,
+        "padding": padding,
+        "comparison": comparison,
+        "runs": runs,
+        "expected": "Same device, same start, same sampling uniforms: the engines differ by the GEMM (torchao's "
+        "torch._scaled_mm with FP32 accumulation on a GPU vs the emulator's FP8-rounded operands in a BF16 GEMM), so "
+        "step 0's rollouts nearly agree and the runs drift apart with each update.",
         "checks": checks,
     }

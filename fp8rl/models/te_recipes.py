@@ -184,6 +184,18 @@ def to_torchao_config(recipe: Fp8Recipe | str, emulate: bool = False) -> Any:
     )
 
 
+def torchao_pads_inner_dim(emulate: bool) -> bool:
+    """Whether fp8rl's torchao GEMMs zero-pad their inner dimension to a multiple of 16 (torchao's ``pad_inner_dim``).
+
+    ``torch._scaled_mm`` wants both dimensions of its second operand divisible by 16; the wgrad GEMM's inner
+    dimension is the micro-batch's token count (rows x padded length), which an RL batch does not keep to
+    multiples of 16, so the real GEMMs pad (zeros add nothing to the products). torchao's recipes leave it off
+    (their token counts are fixed); the emulation needs no padding and keeps it off, so that CPU runs stay bit
+    for bit those of torchao's own emulated ``Float8Linear``.
+    """
+    return not emulate
+
+
 def torchao_fp8_matmul(x: Any, weight: Any, recipe: Fp8Recipe | str, emulate: bool = False) -> Any:
     """``x @ weight.T`` with torchao's float8 training GEMMs (forward, dgrad and wgrad all in FP8).
 
@@ -202,7 +214,8 @@ def torchao_fp8_matmul(x: Any, weight: Any, recipe: Fp8Recipe | str, emulate: bo
 
     config = to_torchao_config(recipe, emulate=emulate)
     gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
-    mm_config = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms))
+    pad = torchao_pads_inner_dim(emulate)
+    mm_config = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, pad) for g in gemms))
     return matmul_with_hp_or_float8_args.apply(x, weight.to(x.dtype).t(), mm_config, config)
 
 

@@ -667,3 +667,12 @@ def test_torchao_rowwise_gemm_on_the_gpu_matches_its_emulation() -> None:
     real, emulated = torchao_fp8_matmul(x, w, recipe), torchao_fp8_matmul(x, w, recipe, emulate=True)
     magnitude = (x.float().abs() @ w.float().abs().t()).max()
     assert (real.float() - emulated.float()).abs().max() <= 2**-6 * magnitude  # accumulation + BF16 output
+
+
+def test_torchaos_real_gemms_pad_their_inner_dimension_and_its_emulation_does_not() -> None:
+    """torch._scaled_mm wants its second operand's dimensions divisible by 16, and the wgrad GEMM's inner dimension
+    is an RL micro-batch's token count: the real GEMMs pad (zeros), the emulation keeps torchao's own (no padding)."""
+    from fp8rl.models.te_recipes import torchao_pads_inner_dim
+
+    assert torchao_pads_inner_dim(emulate=False)
+    assert not torchao_pads_inner_dim(emulate=True)
