@@ -56,3 +56,12 @@ def test_provenance_names_the_cpu_and_the_flags_that_pick_its_kernels(monkeypatc
     assert info["cpu_flags"] == "avx2,avx512f,avx512_bf16"  # no AMX
     assert "MKL_CBWR=COMPATIBLE" in info["kernel_settings"]
     assert "machine.cpu_flags" in provenance() and "machine.torch_cpu_capability" in provenance()
+
+
+def test_a_tree_copied_without_its_git_folder_takes_its_commit_from_the_environment(tmp_path, monkeypatch) -> None:
+    from fp8rl.tracking.provenance import git_info
+
+    monkeypatch.setenv("FP8RL_GIT_SHA", "abc123")
+    monkeypatch.setenv("FP8RL_GIT_DIRTY", "false")
+    assert git_info(tmp_path) == {"git_sha": "abc123", "git_dirty": "false"}  # tmp_path: no repository
+    assert git_info()["git_sha"] != "abc123"  # a checkout's own commit wins
