@@ -215,9 +215,13 @@ def scale_from_amax(amax: torch.Tensor, fmt: Fp8Format, pow2: bool, e8m0: bool =
 
 
 def _scale_from_amax(amax: torch.Tensor, fmt_max: float | torch.Tensor, pow2: bool, e8m0: bool) -> torch.Tensor:
-    # fmt_max may be a 0-d tensor: under torch.compile a Python constant divisor may become a
-    # multiplication by its (inexact) reciprocal, a tensor divisor stays an IEEE division.
+    # The divisor is a tensor on amax's device: CUDA divides by a Python number (a CPU scalar) as a multiplication
+    # by its inexact reciprocal, which gave other float32 scales than the CPU's (seen on an H200,
+    # results/gpu/); a tensor divisor is an IEEE division on both. Under torch.compile fmt_max is a 0-d tensor
+    # already, for the same reason.
     amax = amax.float()
+    if not isinstance(fmt_max, torch.Tensor):
+        fmt_max = torch.tensor(fmt_max, dtype=torch.float32, device=amax.device)
     scale = amax / fmt_max
     scale = torch.where((scale == 0) & (amax > 0), torch.full_like(scale, SMALLEST_FP32_SUBNORMAL), scale)
     if pow2:
@@ -414,4 +418,17 @@ def _compiled_quantize_2d():
     Bit-identity with the eager path is asserted by tests/quant/test_tensor.py and by
     benchmarks/quant_throughput.py.
     """
-    return torch.compile(_quantize_2d, dynamic=False)
+    return torch.compile(_quantize_2d, dynamic=False, options=_eager_division_option())
+
+
+def _eager_division_option() -> dict[str, bool]:
+    """Inductor's switch that makes a compiled float32 division on CUDA round as eager's (Triton's ``/`` is
+    ``div.full``, an approximation; with it, ``div_rn``): the compiled quantizer then gives eager's codes and
+    scales on a GPU too. Its name moved between torch versions; CPU code generation divides exactly either way."""
+    from torch._inductor import config
+
+    if hasattr(getattr(config, "eager_numerics", None), "division_rounding"):
+        return {"eager_numerics.division_rounding": True}
+    if hasattr(config, "emulate_divison_rounding"):
+        return {"emulate_divison_rounding": True}
+    return {}

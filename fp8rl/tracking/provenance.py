@@ -36,13 +36,13 @@ def git_info(cwd: str | Path | None = None) -> dict[str, str]:
 
     Dirty means tracked files outside ``results/`` differ from the commit: the suite's own outputs
     (tables, benchmark JSONs written earlier in the same `make` target) do not make the code dirty.
-    A copy of the tree without its git folder (a GPU host that receives only the working tree) takes both from
-    ``FP8RL_GIT_SHA`` and ``FP8RL_GIT_DIRTY``, set by whoever copied it.
+    ``FP8RL_GIT_SHA`` (and ``FP8RL_GIT_DIRTY``), where set, say it instead: for a copy of the working tree whose git
+    folder is absent or not the copied commit's (a GPU host that receives the tree beside an older clone's .git).
     """
+    if os.environ.get("FP8RL_GIT_SHA"):
+        return {"git_sha": os.environ["FP8RL_GIT_SHA"], "git_dirty": os.environ.get("FP8RL_GIT_DIRTY", "unknown")}
     root = Path(cwd) if cwd else Path(__file__).resolve().parents[2]
     sha = _git(["rev-parse", "HEAD"], root)
-    if sha is None and os.environ.get("FP8RL_GIT_SHA"):
-        return {"git_sha": os.environ["FP8RL_GIT_SHA"], "git_dirty": os.environ.get("FP8RL_GIT_DIRTY", "unknown")}
     status = _git(["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results"], root)
     return {"git_sha": sha or "unknown", "git_dirty": "unknown" if status is None else str(bool(status)).lower()}
 

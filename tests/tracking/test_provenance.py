@@ -58,10 +58,14 @@ def test_provenance_names_the_cpu_and_the_flags_that_pick_its_kernels(monkeypatc
     assert "machine.cpu_flags" in provenance() and "machine.torch_cpu_capability" in provenance()
 
 
-def test_a_tree_copied_without_its_git_folder_takes_its_commit_from_the_environment(tmp_path, monkeypatch) -> None:
+def test_a_copied_tree_takes_its_commit_from_the_environment_where_set(tmp_path, monkeypatch) -> None:
+    """A GPU host got this tree's files beside an older clone's .git, so git named the wrong commit."""
     from fp8rl.tracking.provenance import git_info
 
+    own = git_info()["git_sha"]
     monkeypatch.setenv("FP8RL_GIT_SHA", "abc123")
     monkeypatch.setenv("FP8RL_GIT_DIRTY", "false")
     assert git_info(tmp_path) == {"git_sha": "abc123", "git_dirty": "false"}  # tmp_path: no repository
-    assert git_info()["git_sha"] != "abc123"  # a checkout's own commit wins
+    assert git_info() == {"git_sha": "abc123", "git_dirty": "false"}  # and over the checkout's own git
+    monkeypatch.delenv("FP8RL_GIT_SHA")
+    assert git_info()["git_sha"] == own
