@@ -181,7 +181,7 @@ def test_published_runs_keep_their_config_hash(path: str) -> None:
 @pytest.mark.parametrize("algo", ["grpo", "dapo"])
 def test_presets_run_verls_loss_where_the_paper_is_silent(algo: str) -> None:
     """verl (which the paper ran) aggregates token-mean and dual-clips negative advantages at c = 3 by default
-    (actor.yaml loss_agg_mode / clip_ratio_c, core_algos.compute_policy_loss_vanilla): results/README.md."""
+    (actor.yaml loss_agg_mode / clip_ratio_c, core_algos.compute_policy_loss_vanilla): docs/reproduce.md."""
     cfg = _composed([f"algo={algo}"]).algo
     assert (cfg.loss_agg, cfg.policy_loss, cfg.dual_clip_c) == ("token-mean", "dual_clip", 3.0)
 
