@@ -650,6 +650,19 @@ def scrub(value: Any, paths: list[tuple[str, str]] | None = None) -> Any:
     return value
 
 
+def scrub_files(folder: Path) -> list[Path]:
+    """Replace this machine's paths in the logs beside the report (the tee'd driver log, pytest's log and JUnit
+    XML): the report is scrubbed as it is written, the logs are what the sections and pytest printed."""
+    scrubbed = []
+    for path in sorted(folder.glob("*.log")) + sorted(folder.glob("*.xml")):
+        text = path.read_text(errors="replace")
+        clean = scrub(text)
+        if clean != text:
+            path.write_text(clean)
+            scrubbed.append(path)
+    return scrubbed
+
+
 def fmt(value: Any, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec) if isinstance(value, int | float) else str(value)
 
@@ -855,9 +868,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rl-steps", type=int, default=4)
+    parser.add_argument("--scrub-logs", action="store_true", help="only replace local paths in --out's logs")
     parser.add_argument("--run-section", help=argparse.SUPPRESS)  # internal: one section in this process
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.scrub_logs:
+        print(f"scrubbed {len(scrub_files(args.out))} log(s) in {args.out}")
+        return 0
     if args.run_section:
         args.result.write_text(json.dumps(run_one(args.run_section, args), default=str))
         return 0

@@ -201,3 +201,17 @@ def test_the_mismatch_section_builds_a_valid_run_config(tmp_path: Path) -> None:
     bench = load_benchmark("gpu_bench")
     cfg = bench.mismatch_config(str(tmp_path))
     assert (cfg.model.device, cfg.rollout.engine, cfg.precision.backend) == ("cuda", "vllm", "te")
+
+
+def test_the_checks_logs_are_scrubbed_of_local_paths(tmp_path: Path) -> None:
+    """The first H200 run's logs named the host's repository, bundle and output folders."""
+    import tempfile
+
+    gpu_bench = load_benchmark("gpu_bench")
+    log = tmp_path / "gpu_tests.log"
+    log.write_text(f"{gpu_bench.ROOT}/tests/x.py:1: skipped\n{tempfile.gettempdir()}/bundle/megatron/core.py:2\n")
+    (tmp_path / "clean.log").write_text("nothing local\n")
+    assert gpu_bench.scrub_files(tmp_path) == [log]
+    text = log.read_text()
+    assert str(gpu_bench.ROOT) not in text and tempfile.gettempdir() + "/" not in text
+    assert text.startswith("<repo>/tests/x.py") and "<tmp>/bundle" in text
