@@ -712,6 +712,16 @@ def summary_line(name: str, r: dict[str, Any]) -> str:
     return f"{len(r.get('checks', []))} checks held"
 
 
+def paired_step_table(title: str, per_step: list[dict[str, Any]], left: str, right: str) -> list[str]:
+    """A titled table of the RL key metrics per step, each cell ``left / right`` (GPU / CPU, torchao / emulated)."""
+    metrics = gpu_sections.RL_KEY_METRICS
+    lines = ["", title, "", "| step | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
+    for row in per_step:
+        cells = [f"{fmt(row[k][left])} / {fmt(row[k][right])}" for k in metrics]
+        lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def section_tables(name: str, r: dict[str, Any]) -> list[str]:
     """Markdown tables for the sections that have them."""
     lines: list[str] = []
@@ -747,16 +757,10 @@ def section_tables(name: str, r: dict[str, Any]) -> list[str]:
                 )
     if name == "rl" and "comparison" in r:
         for arm, comp in r["comparison"].items():
-            lines += [
-                "",
-                f"{arm} (median s/step: GPU {fmt(comp['step_time_s']['gpu'])}, CPU {fmt(comp['step_time_s']['cpu'])})",
-                "",
-                "| step | " + " | ".join(gpu_sections.RL_KEY_METRICS) + " |",
-                "|---|" + "---|" * len(gpu_sections.RL_KEY_METRICS),
-            ]
-            for row in comp["per_step"]:
-                cells = [f"{fmt(row[k]['gpu'])} / {fmt(row[k]['cpu'])}" for k in gpu_sections.RL_KEY_METRICS]
-                lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
+            title = (
+                f"{arm} (median s/step: GPU {fmt(comp['step_time_s']['gpu'])}, CPU {fmt(comp['step_time_s']['cpu'])})"
+            )
+            lines += paired_step_table(title, comp["per_step"], "gpu", "cpu")
         lines += ["", "(GPU / CPU per cell.) " + r["expected"]]
     elif name == "rl" and "cpu" in r and isinstance(r["cpu"], dict):
         lines += [
@@ -772,16 +776,9 @@ def section_tables(name: str, r: dict[str, Any]) -> list[str]:
         lines += ["| GEMM probe (100 tokens) | outcome |", "|---|---|"]
         lines += [f"| {case} | {outcome[:200]} |" for case, outcome in r["padding"].items()]
         for recipe, comp in r["comparison"].items():
-            lines += [
-                "",
-                f"{recipe} (torchao / emulated per cell)",
-                "",
-                "| step | " + " | ".join(gpu_sections.RL_KEY_METRICS) + " |",
-                "|---|" + "---|" * len(gpu_sections.RL_KEY_METRICS),
-            ]
-            for row in comp["per_step"]:
-                cells = [f"{fmt(row[k]['torchao'])} / {fmt(row[k]['emulated'])}" for k in gpu_sections.RL_KEY_METRICS]
-                lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
+            lines += paired_step_table(
+                f"{recipe} (torchao / emulated per cell)", comp["per_step"], "torchao", "emulated"
+            )
         lines += ["", r["expected"]]
     return lines
 

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -970,8 +971,6 @@ def torchao_rl(device: str, steps: int = TORCHAO_RL_STEPS) -> dict[str, Any]:
                     torchao_arm_config(recipe, backend, device, steps), device, steps
                 )
             except Exception as err:  # one arm's failure is reported; the others still run
-                import traceback
-
                 runs[f"{recipe}/{backend}"] = {"error": error_text(err), "traceback": traceback.format_exc()[-3000:]}
     comparison, checks = {}, []
     for recipe in TORCHAO_RECIPES:

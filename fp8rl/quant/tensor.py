@@ -221,7 +221,7 @@ def _scale_from_amax(amax: torch.Tensor, fmt_max: float | torch.Tensor, pow2: bo
     # already, for the same reason.
     amax = amax.float()
     if not isinstance(fmt_max, torch.Tensor):
-        fmt_max = torch.tensor(fmt_max, dtype=torch.float32, device=amax.device)
+        fmt_max = torch.full((), fmt_max, dtype=torch.float32, device=amax.device)  # a fill, no host-to-device copy
     scale = amax / fmt_max
     scale = torch.where((scale == 0) & (amax > 0), torch.full_like(scale, SMALLEST_FP32_SUBNORMAL), scale)
     if pow2:
