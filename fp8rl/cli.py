@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from fp8rl.config import ConfigError
-from fp8rl.tracking.mlflow_tracker import TrackingUnavailable
+from fp8rl.tracking.client import TrackingUnavailable
 
 
 def _launcher_option(text: str) -> tuple[str, Any]:

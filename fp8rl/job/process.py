@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from fp8rl.config import TrainerConfig
-from fp8rl.tracking.mlflow_tracker import bound_mlflow_http
+from fp8rl.tracking.client import bound_mlflow_http
 
 QUIET_LOGGERS = ("megatron", "megatron.core", "torch.distributed", "alembic", "urllib3", "mlflow.system_metrics")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

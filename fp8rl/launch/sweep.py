@@ -35,7 +35,7 @@ from fp8rl.identity import config_hash
 from fp8rl.launch.experiment import SweepDefinition, SweepPoint, axis_tag, expand_experiment, expand_points
 from fp8rl.launch.launchers import Launcher, check_fits, make_executor, resolve_launcher
 from fp8rl.tracking import store
-from fp8rl.tracking.mlflow_tracker import bound_mlflow_http, probe_store, redact
+from fp8rl.tracking.client import bound_mlflow_http, probe_store, redact
 
 DEFAULT_ROOT = Path("outputs/sweeps")
 SLURM_POLL_S = 2.0  # seconds between squeue/sacct looks while waiting for a sweep's Slurm jobs

@@ -65,7 +65,7 @@ TE_VERSION_RANGE = ((2, 9), (2, 12))  # [min, max)
 def check_backend_supports(recipe_name: Fp8Recipe | str | None, backend: str) -> None:
     """Raise ValueError (saying what to change) when ``backend`` cannot run FP8 recipe ``recipe_name``.
 
-    Meant for config validation, before a job is queued (fp8rl.config.validate: ``if p.mode != "bf16":
+    Meant for config validation, before a job is queued (`fp8rl.choices.validated`: ``if p.mode != "bf16":
     check_backend_supports(p.recipe, p.backend)``), so that a TE run with the rowwise recipe fails at
     submission, not inside the job when `te_fp8_fields` is called.
     """

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fp8rl.tracking.mlflow_tracker import CONFIG_HASH_TAG, ensure_experiment, mlflow_client, resolve_tracking_uri
+from fp8rl.tracking.client import ensure_experiment, mlflow_client, resolve_tracking_uri
+from fp8rl.tracking.mlflow_tracker import CONFIG_HASH_TAG
 
 HASH_TAG = CONFIG_HASH_TAG
 SWEEP_TAG = "fp8rl.sweep"
@@ -103,7 +104,7 @@ def metric_histories(mlflow_client: Any, run: Any, keys: Iterable[str]) -> dict[
 def display_uri(uri: str) -> str:
     """A store URI for tables and logs: credentials redacted, a sqlite file shown relative to the working
     directory (or by name), so no machine's absolute paths end up in results."""
-    from fp8rl.tracking.mlflow_tracker import redact
+    from fp8rl.tracking.client import redact
 
     prefix = "sqlite:///"
     if not uri.startswith(prefix):

@@ -15,14 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from fp8rl.tracking.mlflow_tracker import (
-    WAL_NAME,
-    MlflowTracker,
-    TrackingUnavailable,
-    read_wal,
-    redact,
-    spec_from_record,
-)
+from fp8rl.tracking.client import TrackingUnavailable, redact
+from fp8rl.tracking.mlflow_tracker import WAL_NAME, MlflowTracker, read_wal, spec_from_record
 
 log = logging.getLogger("fp8rl.tracking.sync")
 
