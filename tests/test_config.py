@@ -40,6 +40,10 @@ SWEEPS = ROOT / "sweeps"
         ({"algo.resample_rounds": 2}, "dynamic_sampling"),
         ({"trainer.steps": 0}, "trainer.steps"),
         ({"task.name": "math"}, "task.dataset"),
+        (
+            {"task.name": "math", "task.dataset": "deepscaler", "model.hf_path": "m", "task.eval_sets": ()},
+            "task.eval_sets, which is empty",
+        ),
     ],
 )
 def test_invalid_combinations_raise_with_advice(changes: dict, message: str) -> None:

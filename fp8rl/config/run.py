@@ -78,6 +78,11 @@ def check_combinations(cfg: RunConfig) -> None:
             cfg.model.hf_path is not None,
             "task.name=math prompts with the model's own tokenizer: set model.hf_path=<checkpoint folder or hub id>",
         )
+        _require(
+            bool(cfg.task.eval_sets),
+            "task.name=math evaluates on task.eval_sets, which is empty (its accuracy would be the mean of nothing): "
+            "name at least one benchmark, e.g. task.eval_sets=[math500] (aime24, aime25, amc23, math500)",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- dicts

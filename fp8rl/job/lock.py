@@ -21,9 +21,11 @@ from pathlib import Path
 import filelock
 
 from fp8rl.config import ConfigError
+from fp8rl.tracking.client import redact
 
 LOCK_NAME = ".run.lock"
 HOLDER_NAME = ".run.lock.holder.json"
+LOCK_FILES = (LOCK_NAME, HOLDER_NAME)  # the lock's own files: not part of a run's content
 
 
 class RunFolderInUse(ConfigError):
@@ -69,7 +71,7 @@ def _this_process() -> dict[str, str | int]:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "since": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        "command": redact(" ".join(sys.argv)),  # an override may carry a tracking URI's token
     }
 
 

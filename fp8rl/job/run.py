@@ -29,7 +29,7 @@ from fp8rl.config import ConfigError, RunConfig, flatten, to_dict
 from fp8rl.identity import config_hash, default_run_name, run_dir
 from fp8rl.job import signals
 from fp8rl.job.distributed import DistEnv, dist_env_from_environ, init_distributed, shutdown_distributed
-from fp8rl.job.lock import RunFolderInUse, run_folder_lock
+from fp8rl.job.lock import LOCK_FILES, RunFolderInUse, run_folder_lock
 from fp8rl.job.parts import PreparedTask, build_parts, prepare_task
 from fp8rl.job.process import apply_process_settings, close_log_file, setup_logging
 from fp8rl.models.dims import ParallelDims
@@ -182,9 +182,12 @@ def prepare_run_dir(cfg: RunConfig, out_dir: str, world_size: int = 1) -> tuple[
     ``trainer.resume=false`` moves an earlier run's folder aside (kept, never deleted); a checkpoint of
     another config, or of another number of ranks, is refused."""
     folder = Path(out_dir)
-    if not cfg.trainer.resume and folder.exists() and any(folder.iterdir()):
+    earlier = [p for p in folder.iterdir() if p.name not in LOCK_FILES] if folder.exists() else []
+    if not cfg.trainer.resume and earlier:
         aside = folder.with_name(f"{folder.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.move(str(folder), aside)
+        aside.mkdir()
+        for path in earlier:  # the folder's lock stays: this run holds it
+            shutil.move(str(path), aside / path.name)
         log.info("trainer.resume=false: moved the earlier run in %s to %s", folder, aside)
     folder.mkdir(parents=True, exist_ok=True)
     try:
@@ -272,7 +275,7 @@ def existing_runs(cfg: RunConfig, uri: str, digest: str) -> tuple[str | None, st
             return None, None
         found = store.child_runs(client, exp_id, config_hash=digest, parent_id=cfg.tracking.parent_run_id)
     except Exception as err:  # noqa: BLE001 - the tracker's own probe reports an unreachable store clearly
-        log.warning("could not look up earlier runs in %s: %s", uri, err)
+        log.warning("could not look up earlier runs in %s: %s", redact(uri), redact(str(err)))
         return None, None
     finished = next((r.info.run_id for r in found if r.info.status == "FINISHED"), None)
     unfinished = next((r.info.run_id for r in found if r.info.status != "FINISHED"), None)

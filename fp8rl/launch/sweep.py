@@ -346,6 +346,19 @@ def submit(report: SweepReport, launcher: Launcher, req: SweepRequest) -> None:
     _finish_parent(report)
 
 
+def job_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config a job is pickled with (submitit writes it to the sweep's folder, often on a shared disk). A
+    tracking URI that carries credentials is left out of it: the job reads the URI from $MLFLOW_TRACKING_URI,
+    which it inherits from this process (submitit's local jobs copy the environment; Slurm exports it by
+    default), and `tracking.tracking_uri` is not part of a run's identity."""
+    job = to_dict(cfg)
+    uri = cfg.tracking.tracking_uri
+    if uri and redact(uri) != uri:
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        job["tracking"]["tracking_uri"] = None
+    return job
+
+
 def _write_plan(report: SweepReport, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     plan = [
@@ -373,9 +386,9 @@ def _run_inline(todo: list[PlannedRun], progress: Progress | None = None) -> Non
         if progress:
             progress.start(run)
         try:
-            run.take(TrainJob(to_dict(run.cfg))())
+            run.take(TrainJob(job_config(run.cfg))())
         except Exception as err:  # noqa: BLE001 - one failed point must not stop the others
-            run.error = f"{type(err).__name__}: {err}"
+            run.error = redact(f"{type(err).__name__}: {err}")
         if progress:
             progress.finish(run)
 
@@ -397,7 +410,7 @@ def _run_pool(
                 if progress:
                     progress.finish(run)
                 continue
-            job = executor.submit(TrainJob(to_dict(run.cfg)))
+            job = executor.submit(TrainJob(job_config(run.cfg)))
             run.job_id = str(job.job_id)
             running.append((run, job))
             if progress:
@@ -424,7 +437,7 @@ def _submit_slurm(
     jobs = []
     for run in todo:
         executor = make_executor(launcher, folder, job_name(sweep, run.config_hash))
-        job = executor.submit(TrainJob(to_dict(run.cfg)))
+        job = executor.submit(TrainJob(job_config(run.cfg)))
         run.job_id = str(job.job_id)
         jobs.append((run, job))
     if not wait:
@@ -449,7 +462,7 @@ def _collect_done(jobs: list[tuple[PlannedRun, Any]], progress: Progress | None 
         try:
             run.take(job.results()[0])  # a job of several tasks (CPU ranks, GPUs): rank 0's
         except Exception as err:  # noqa: BLE001 - submitit re-raises the job's exception with its traceback
-            run.error = f"{type(err).__name__}: {str(err)[-3000:]}"
+            run.error = redact(f"{type(err).__name__}: {str(err)[-3000:]}")
         if progress:
             progress.finish(run)
     return pending

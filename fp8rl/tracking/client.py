@@ -78,6 +78,14 @@ def redact(value: str) -> str:
     return _QUERY_SECRETS.sub(r"\g<key>***", _CREDENTIALS.sub(r"\g<scheme>***@", value))
 
 
+class RedactingFormatter(logging.Formatter):
+    """A log line (message and traceback) with `redact` applied: MLflow's own exception texts name the URI they
+    called, credentials included ("API request to https://user:token@host/... failed")."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
 def _health_request(uri: str) -> urllib.request.Request:
     """GET <uri>/health, with a URI's userinfo (``https://user:token@host``, which MLflow accepts) sent as HTTP
     basic authentication rather than left in the host name, where urllib would look it up as a DNS name."""

@@ -304,14 +304,16 @@ class MlflowTracker:
         return self.spec.tags.get(CONFIG_HASH_TAG)
 
     def _same_config(self, run_id: str) -> bool:
-        """Whether MLflow run `run_id` computes this spec's config (no hash on either side: not checkable)."""
+        """Whether MLflow run `run_id` computes this spec's config. A spec without a hash cannot check; a run
+        without one (a sweep's parent, a run fp8rl did not make) is not this config's: a WAL naming it is not
+        replayed into it."""
         if self._config_hash is None:
             return True
         try:
             theirs = self._client.get_run(run_id).data.tags.get(CONFIG_HASH_TAG)
         except Exception:  # noqa: BLE001 - a run the store does not know is not this config's
             return False
-        return theirs in (None, self._config_hash)
+        return theirs == self._config_hash
 
     def _set_aside_foreign_wal(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The WAL's records, or none when they were written for another config (the WAL is then moved aside)."""
@@ -354,7 +356,8 @@ class MlflowTracker:
         for start in range(0, len(items), 100):
             self._client.log_batch(self.run_id, params=items[start : start + 100])
         for path, folder in self.spec.artifacts:
-            self.log_artifact(path, folder)
+            if self._inside_run_folder(path):  # a start record read back from a WAL names them too
+                self.log_artifact(path, folder)
 
     def _send(self, record: dict[str, Any]) -> None:
         from mlflow.entities import Metric
@@ -436,7 +439,7 @@ class MlflowTracker:
                 self._log_dataset_records(record["datasets"])
 
     def _inside_run_folder(self, path: str) -> bool:
-        """Replay uploads only the run folder's own files (a planted record must not upload /etc/passwd)."""
+        """Only the run folder's own files are uploaded (a planted record must not upload /etc/passwd)."""
         resolved, folder = Path(path).resolve(), self.wal_path.parent.resolve()
         if resolved.is_relative_to(folder) and resolved.is_file():
             return True
@@ -511,7 +514,9 @@ def _spec_record(spec: RunSpec) -> dict[str, Any]:
     in the store's URI redacted; parameter values as text)."""
     record = dataclasses.asdict(spec)
     record["tracking_uri"] = redact(spec.tracking_uri)
-    record["params"] = {k: str(v) for k, v in spec.params.items()}
+    record["params"] = {k: redact(str(v)) for k, v in spec.params.items()}  # tracking.tracking_uri among them
+    record["tags"] = {k: redact(str(v)) for k, v in spec.tags.items()}
+    record["description"] = redact(spec.description)
     record["artifacts"] = [[str(Path(path).resolve()), folder] for path, folder in spec.artifacts]
     return record
 

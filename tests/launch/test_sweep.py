@@ -275,3 +275,19 @@ def test_a_sweep_on_a_fresh_clone_passes_preflight_without_a_warm_start_cache(tm
 
     with pytest.raises(PreflightError, match="does not exist"):
         check_environment(with_overrides(run.cfg, {"warmstart.cache_dir": str(tmp_path / "typo")}))
+
+
+def test_a_jobs_pickled_config_carries_no_credentials(monkeypatch) -> None:
+    """submitit pickles each job's config into the sweep's folder: a credentialed tracking URI travels in the
+    job's environment instead ($MLFLOW_TRACKING_URI), which the job resolves to the same store."""
+    from fp8rl.config import RunConfig, with_overrides
+    from fp8rl.launch.sweep import job_config
+    from fp8rl.tracking import resolve_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = "https://alice:s3cret@mlflow.example/x"
+    job = job_config(with_overrides(RunConfig(), {"tracking.tracking_uri": uri}))
+    assert "s3cret" not in repr(job) and job["tracking"]["tracking_uri"] is None
+    assert resolve_tracking_uri(job["tracking"]["tracking_uri"]) == uri
+    plain = job_config(with_overrides(RunConfig(), {"tracking.tracking_uri": "sqlite:///m.db"}))
+    assert plain["tracking"]["tracking_uri"] == "sqlite:///m.db"

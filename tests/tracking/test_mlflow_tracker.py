@@ -173,6 +173,36 @@ def test_a_log_naming_a_run_of_another_config_does_not_reopen_it(tmp_path: Path,
     assert client.get_run(other).info.status == "RUNNING" and not client.get_run(other).data.metrics
 
 
+def test_a_log_naming_a_run_without_a_config_hash_does_not_reopen_it(tmp_path: Path, sqlite_uri: str) -> None:
+    """A sweep's parent run, or any run fp8rl did not make, carries no config hash: a WAL naming it is not this
+    run's either."""
+    client = MlflowClient(sqlite_uri)
+    parent = client.create_run(client.create_experiment("sweep"), tags={"fp8rl.sweep": "x"}).info.run_id
+    (tmp_path / WAL_NAME).write_text(json.dumps({"kind": "run", "run_id": parent}) + "\n")
+    tracker = MlflowTracker(_spec(sqlite_uri, tags={CONFIG_HASH_TAG: "dddd"}), tmp_path, 5, offline_ok=False)
+    tracker.log_metrics({"m": 1.0}, step=0)
+    tracker.finish()
+    assert tracker.run_id != parent
+    assert client.get_run(parent).info.status == "RUNNING" and not client.get_run(parent).data.metrics
+
+
+def test_a_planted_start_record_uploads_no_file_outside_the_run_folder(tmp_path: Path, sqlite_uri: str) -> None:
+    """`fp8rl.tracking.sync` creates a run from the WAL's start record, which names the spec's artifacts."""
+    from fp8rl.tracking.mlflow_tracker import spec_from_record
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "resolved_config.json").write_text("{}")
+    planted = tmp_path / "secret.txt"
+    planted.write_text("not the run's")
+    artifacts = [[str(folder / "resolved_config.json"), None], [str(planted), None], ["/etc/passwd", None]]
+    record = {"tracking_uri": "x", "experiment": "e", "run_name": "r", "artifacts": artifacts}
+    tracker = MlflowTracker(spec_from_record(record, sqlite_uri), folder, 5, offline_ok=False)
+    tracker.finish()
+    names = {a.path for a in MlflowClient(sqlite_uri).list_artifacts(tracker.run_id)}
+    assert names == {"resolved_config.json"}
+
+
 def test_replay_uploads_only_files_inside_the_run_folder(tmp_path: Path, sqlite_uri: str) -> None:
     own = tmp_path / "run" / "notes.txt"
     own.parent.mkdir()
@@ -199,6 +229,26 @@ def test_a_store_locked_at_start_is_a_clear_error_not_a_raw_database_error(tmp_p
     finally:
         holder.rollback()
         holder.close()
+
+
+def test_a_store_locked_at_start_for_less_than_the_timeout_is_waited_for(tmp_path: Path, sqlite_uri: str) -> None:
+    """A lock released within ``tracking.connect_timeout_s`` delays the start; the run then opens."""
+    import sqlite3
+    import threading
+
+    MlflowClient(sqlite_uri).search_experiments()
+    holder = sqlite3.connect(sqlite_uri.removeprefix("sqlite:///"), check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    release = threading.Timer(2.0, holder.rollback)
+    release.start()
+    try:
+        tracker = MlflowTracker(_spec(sqlite_uri), tmp_path, connect_timeout_s=20, offline_ok=False)
+        tracker.log_metrics({"m": 1.0}, 0)
+        tracker.finish()
+    finally:
+        release.join()
+        holder.close()
+    assert _steps(MlflowClient(sqlite_uri), tracker.run_id, "m") == [0]
 
 
 @pytest.mark.long
@@ -243,3 +293,16 @@ def test_a_deleted_experiment_is_restored_for_a_new_run(tmp_path: Path, sqlite_u
     experiment = client.get_experiment_by_name("unit")
     assert experiment.lifecycle_stage == "active"
     assert client.get_run(tracker.run_id).info.experiment_id == experiment.experiment_id
+
+
+def test_an_offline_runs_log_keeps_no_credentials(tmp_path: Path) -> None:
+    """The WAL's start record (how `fp8rl.tracking.sync` creates the run later) redacts the store's URI wherever
+    it appears: its own field, the params (``tracking.tracking_uri``), the tags and the description."""
+    from tests.support.services import free_port
+
+    uri = f"https://alice:s3cret@127.0.0.1:{free_port()}/x?token=t0k"
+    spec = _spec(uri, params={"tracking.tracking_uri": uri}, tags={"store": uri}, description=f"logged to {uri}")
+    tracker = MlflowTracker(spec, tmp_path, 2, offline_ok=True)
+    tracker.log_metrics({"m": 1.0}, 0)
+    text = (tmp_path / WAL_NAME).read_text()
+    assert "s3cret" not in text and "t0k" not in text and "127.0.0.1" in text
