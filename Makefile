@@ -133,7 +133,7 @@ ablation: setup  ## the Calibrated Clipping ablations
 	$(REPORT) table ablation_recal_interval ablation_init_bounds ablation_lower_only ablation_first_calibration
 	$(REPORT) reruns ablation_first_calibration
 
-# Stronger settings for effects the tiny tables do not show (results/README.md): activation outliers, longer runs.
+# Stronger settings for effects the tiny tables do not show (results/README.md's findings): activation outliers.
 stress: setup  ## the activation-outlier stress table
 	$(REPRO_SWEEP) stress_outliers trainer.seed=$(SEEDS)
 	$(REPORT) table stress_outliers
@@ -146,7 +146,7 @@ kernel-spread: setup  ## the demo under three CPU kernel settings: how far its r
 figures: setup  ## the figures from MLflow
 	$(REPORT) figures
 
-# The CPU-scale collapse study (design and pre-registered endpoints in results/README.md): the lr pilot (the
+# The CPU-scale collapse study (design and pre-registered endpoints in results/studies/2026-12-01-collapse.md): the lr pilot (the
 # noise-to-signal criterion), the positive control (BF16 + synthetic over-clipping, with BF16 seed 0 beside
 # it), then the study (3 arms x 3 seeds, 300 steps): seed by seed, the 3 arms of a seed at once on one thread
 # each, so a study cut short holds whole seeds. The pilot's chosen lr and noise floor are written into
@@ -179,7 +179,7 @@ cc-endpoint: setup  ## Calibrated Clipping endpoint on 10 seeds
 	$(REPRO_SWEEP) grpo_granularity trainer.seed=$(ENDPOINT_SEEDS) +experiment/arm=bf16,cc_tensorwise,cc_rowwise,cc_blockwise
 	$(REPORT) table grpo_granularity
 
-# The rest of the GRPO table to 10 seeds (pre-registered in results/README.md): seeds 3-9 for vanilla FP8 and
+# The rest of the GRPO table to 10 seeds (pre-registered: results/studies/2026-12-02-tables-at-the-earlier-presets.md): seeds 3-9 for vanilla FP8 and
 # the FP8-rollout arm, so vanilla against BF16 and Calibrated Clipping against vanilla are paired on 10 seeds
 grpo-seeds: setup  ## the GRPO table to 10 seeds
 	$(REPRO_SWEEP) grpo_granularity trainer.seed=$(ENDPOINT_SEEDS) +experiment/arm=fp8_rollout_tis,fp8_tensorwise,fp8_rowwise,fp8_blockwise

@@ -15,7 +15,7 @@ weights), while the parameters, their gradients' direction and the optimizer's v
 trained. (Rescaling the parameters instead, norm gain x s and weight columns / s, is not invariant
 under Adam, whose per-parameter steps then move the shrunken columns s times too far: it broke BF16
 training in a first attempt.) In exact arithmetic the network is unchanged. This is an ablation of ours
-(documented in results/README.md), not something the paper does.
+(its findings in results/README.md, its table results/tiny/stress_outliers-tiny.md), not something the paper does.
 
 E4M3 is a floating-point format: a larger scale moves the other values down in binades, and they only
 lose precision once they leave its normal range (below 2^-6 of the scale's 448, i.e. outliers beyond
