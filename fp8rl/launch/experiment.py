@@ -49,6 +49,18 @@ class SweepDefinition:
     points: list[SweepPoint]
 
 
+def experiment_description(experiment: str, sweeps_dir: Path = SWEEPS_DIR) -> str:
+    """The experiment file's own header comment (what it runs and why), as one paragraph per comment block; the
+    MLflow experiment and the sweep's parent run show it."""
+    lines = []
+    for line in (sweeps_dir / "experiment" / f"{experiment}.yaml").read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# @package"):
+            lines.append(line[1:].strip())
+    return "\n".join(lines).strip()
+
+
 def list_experiments(sweeps_dir: Path = SWEEPS_DIR) -> list[str]:
     """Experiment names (the top-level files of sweeps/experiment/; sub-folders hold shared arms)."""
     return sorted(p.stem for p in (sweeps_dir / "experiment").glob("*.yaml"))

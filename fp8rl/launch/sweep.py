@@ -32,10 +32,17 @@ from typing import Any
 from fp8rl.choices import validated
 from fp8rl.config import ConfigError, RunConfig, to_dict, with_overrides
 from fp8rl.identity import config_hash
-from fp8rl.launch.experiment import SweepDefinition, SweepPoint, axis_tag, expand_experiment, expand_points
+from fp8rl.launch.experiment import (
+    SweepDefinition,
+    SweepPoint,
+    axis_tag,
+    expand_experiment,
+    expand_points,
+    experiment_description,
+)
 from fp8rl.launch.launchers import Launcher, check_fits, make_executor, resolve_launcher
 from fp8rl.tracking import store
-from fp8rl.tracking.client import bound_mlflow_http, probe_store, redact
+from fp8rl.tracking.client import bound_mlflow_http, ensure_experiment_tag, probe_store, redact
 
 DEFAULT_ROOT = Path("outputs/sweeps")
 SLURM_POLL_S = 2.0  # seconds between squeue/sacct looks while waiting for a sweep's Slurm jobs
@@ -256,6 +263,9 @@ def mark_existing(report: SweepReport, create: bool, definition: SweepDefinition
             "fp8rl.scale": definition.scale or "",
             "fp8rl.axes": ",".join(axis_tag(a) for a in definition.axes),
         }
+        if definition.experiment:
+            tags[DESCRIPTION_TAG] = sweep_description(definition, len(report.runs))
+            ensure_experiment_tag(mlflow_client, report.experiment_id, DESCRIPTION_TAG, tags[DESCRIPTION_TAG])
         report.parent_run_id = ensure_parent(mlflow_client, report.experiment_id, report.name, tags)
         for run in report.runs:
             run.cfg = with_overrides(run.cfg, {"tracking.parent_run_id": report.parent_run_id})
@@ -498,6 +508,18 @@ def _mark_finished_elsewhere(report: SweepReport) -> None:
     for run in held:
         if run.config_hash in finished:
             run.status = "finished"
+
+
+DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as an experiment's or a run's description
+
+
+def sweep_description(definition: SweepDefinition, points: int) -> str:
+    """The experiment file's header comment and what this sweep runs of it (the MLflow UI's description)."""
+    axes = ", ".join(definition.axes) or "none"
+    scale = definition.scale or "the file's default"
+    where = f"`fp8rl sweep {definition.experiment}` (sweeps/experiment/{definition.experiment}.yaml)"
+    header = experiment_description(definition.experiment)
+    return f"{header}\n\n{points} points at scale {scale}; axes: {axes}. {where}."
 
 
 def ensure_parent(mlflow_client: Any, exp_id: str, sweep: str, tags: dict[str, str]) -> str:

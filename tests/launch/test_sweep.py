@@ -291,3 +291,20 @@ def test_a_jobs_pickled_config_carries_no_credentials(monkeypatch) -> None:
     assert resolve_tracking_uri(job["tracking"]["tracking_uri"]) == uri
     plain = job_config(with_overrides(RunConfig(), {"tracking.tracking_uri": "sqlite:///m.db"}))
     assert plain["tracking"]["tracking_uri"] == "sqlite:///m.db"
+
+
+@pytest.mark.timeout(300)
+def test_an_experiments_sweep_carries_the_files_header_as_its_description(tmp_path: Path, sqlite_uri: str) -> None:
+    """The MLflow experiment and the sweep's parent run show what the experiment file says it runs."""
+    from fp8rl.launch.experiment import expand_experiment, experiment_description
+
+    definition = expand_experiment("grpo_granularity", "tiny", ["+experiment/arm=bf16,fp8_tensorwise"])
+    planned = prepare(definition, "described", resolve_launcher("local"), sqlite_uri, tmp_path)
+    report = SweepReport("described", sqlite_uri, "local", planned)
+    mark_existing(report, create=True, definition=definition)
+    client = mlflow_runs.client(sqlite_uri)
+    header = experiment_description("grpo_granularity")
+    assert header.startswith("Paper table: GRPO") and "@package" not in header
+    for described in (client.get_experiment(report.experiment_id), client.get_run(report.parent_run_id).data):
+        note = described.tags["mlflow.note.content"]
+        assert note.startswith(header) and f"{len(report.runs)} points at scale tiny" in note
