@@ -418,6 +418,7 @@ MECH_FULL_COLUMNS: tuple[tuple[str, str, str, str | None], ...] = (
     ("low_neg BF16", "clip/ref_low_neg", "{:.4f}", "mech/neg_tokens"),
     ("overclip_neg", "clip/overclip_neg", "{:.4f}", "mech/neg_tokens"),
     ("underclip_neg", "clip/underclip_neg", "{:.4f}", "mech/neg_tokens"),
+    ("McNemar p", "mech/mcnemar_p", "{:.2g}", None),
     ("p FP8", "clip/p", "{:.3f}", None),
     ("p BF16", "clip/ref_p", "{:.3f}", None),
     ("clip precision", "clip/overlap_precision", "{:.2f}", None),
@@ -441,6 +442,20 @@ def wilson_interval(fraction: float, n: float, z: float = 1.959964) -> tuple[flo
     centre = (fraction + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * math.sqrt(fraction * (1 - fraction) / n + z * z / (4 * n * n))
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar_p(metrics: dict[str, float]) -> float:
+    """Exact McNemar test of FP8 and BF16 clipping the same negative tokens: the tokens only FP8 clips
+    (``clip/overclip_neg``) against those only BF16 clips (``clip/underclip_neg``), each a share of
+    ``mech/neg_tokens``; two-sided binomial p of the first count among both at 1/2. NaN without the counts; 1.0
+    where neither clips a token the other does not."""
+    if not {"clip/overclip_neg", "clip/underclip_neg", "mech/neg_tokens"} <= metrics.keys():
+        return math.nan
+    n = metrics["mech/neg_tokens"]
+    only_fp8, only_bf16 = round(metrics["clip/overclip_neg"] * n), round(metrics["clip/underclip_neg"] * n)
+    if only_fp8 + only_bf16 == 0:
+        return 1.0
+    return float(stats.binomtest(only_fp8, only_fp8 + only_bf16, 0.5).pvalue)
 
 
 def _mech_cell(metrics: dict[str, float], key: str, fmt: str, n_key: str | None) -> str:
@@ -484,7 +499,7 @@ def mechanism_markdown(cells: list[Any], mode: str, header: str) -> str:
     head = [*keys, *(c[0] for c in MECH_FULL_COLUMNS)]
     lines = [header, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in sorted((r for r in cells if r.data.params["mode"] == mode), key=_cell_sort_key):
-        p, m = run.data.params, run.data.metrics
+        p, m = run.data.params, {**run.data.metrics, "mech/mcnemar_p": mcnemar_p(run.data.metrics)}
         values = [_mech_cell(m, key, fmt, n_key) for _, key, fmt, n_key in MECH_FULL_COLUMNS]
         lines.append("| " + " | ".join([p["variant"], p["checkpoint"], p["recipe"], p["lr"], *values]) + " |")
     return "\n".join(lines) + "\n"
@@ -544,7 +559,9 @@ def write_mechanism(experiment: str, out_dir: Path, tracking_uri: str | None = N
         "negative-advantage tokens FP8 clips at 0.8 and BF16 does not, / all negative tokens; "
         "`precision`/`recall`: overlap of the tokens FP8 clips with those BF16 clips; `CC ... (oos)`: after "
         "Calibrated Clipping calibrated on one batch and measured on another (out of sample). Fractions carry "
-        "Wilson 95% intervals over the negative tokens they count."
+        "Wilson 95% intervals over the negative tokens they count. `McNemar p`: exact McNemar test, paired over "
+        "the same tokens, of the tokens only FP8 clips (`overclip_neg`) against those only BF16 clips "
+        "(`underclip_neg`)."
     )
     written = []
     for mode, what in (

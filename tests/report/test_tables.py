@@ -143,6 +143,15 @@ def test_wilson_interval_of_a_clip_fraction() -> None:
     assert all(v != v for v in tables.wilson_interval(0.1, 0))  # no trials: NaN
 
 
+def test_mcnemar_p_pairs_the_tokens_only_fp8_clips_with_those_only_bf16_clips() -> None:
+    """9 tokens of 624 clipped by FP8 alone, none by BF16 alone: p = 2 * 0.5**9 (exact, two-sided)."""
+    cell = {"clip/overclip_neg": 9 / 624, "clip/underclip_neg": 0.0, "mech/neg_tokens": 624.0}
+    assert tables.mcnemar_p(cell) == pytest.approx(2 * 0.5**9)
+    assert tables.mcnemar_p({**cell, "clip/underclip_neg": 9 / 624}) == pytest.approx(1.0)  # as many each way
+    assert tables.mcnemar_p({**cell, "clip/overclip_neg": 0.0}) == 1.0  # no discordant token
+    assert tables.mcnemar_p({"clip/overclip_neg": 0.1}) != tables.mcnemar_p({"clip/overclip_neg": 0.1})  # NaN
+
+
 def test_a_window_is_paired_only_where_both_runs_have_the_same_steps() -> None:
     import math
 
