@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from fp8rl.config import ConfigError
-from fp8rl.tracking.client import TrackingUnavailable
+from fp8rl.tracking.client import TrackingUnavailable, redact_stderr
 
 
 def _launcher_option(text: str) -> tuple[str, Any]:
@@ -180,6 +180,7 @@ def _experiments() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    redact_stderr()  # an uncaught error's traceback may quote a tracking URI with its token
     if argv and argv[0] in PASSTHROUGH:
         return _passthrough(PASSTHROUGH[argv[0]][0], f"fp8rl {argv[0]}", argv[1:])
     if len(argv) >= 2 and argv[0] == "study" and argv[1] in STUDIES:

@@ -58,7 +58,9 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from fp8rl.tracking import TrackingUnavailable
+    from fp8rl.tracking.client import redact_stderr
 
+    redact_stderr()  # a traceback Hydra prints may quote an MLflow error that names the URI with its token
     try:
         check_single_run(HydraConfig.get())
         run_cfg = resolve(cfg)

@@ -8,6 +8,7 @@ import base64
 import logging
 import os
 import re
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -84,6 +85,26 @@ class RedactingFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         return redact(super().format(record))
+
+
+class RedactingStream:
+    """A text stream that writes through `redact` (what an uncaught exception prints to stderr: MLflow's error
+    texts name the URI they called); everything else is the wrapped stream's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(redact(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def redact_stderr() -> None:
+    """Route this process's stderr through `redact` (once); the entry points call it first."""
+    if not isinstance(sys.stderr, RedactingStream):
+        sys.stderr = RedactingStream(sys.stderr)
 
 
 def _health_request(uri: str) -> urllib.request.Request:

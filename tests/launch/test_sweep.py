@@ -308,3 +308,16 @@ def test_an_experiments_sweep_carries_the_files_header_as_its_description(tmp_pa
     for described in (client.get_experiment(report.experiment_id), client.get_run(report.parent_run_id).data):
         note = described.tags["mlflow.note.content"]
         assert note.startswith(header) and f"{len(report.runs)} points at scale tiny" in note
+
+
+def test_the_sweep_table_shows_its_store_without_credentials() -> None:
+    import io
+
+    from rich.console import Console
+
+    from fp8rl.launch.sweep import print_report
+
+    report = SweepReport("s", "https://alice:s3cret@mlflow.example/x?token=t0k", "local", [])
+    out = io.StringIO()
+    print_report(report, Console(file=out, width=200))
+    assert "mlflow.example" in out.getvalue() and "s3cret" not in out.getvalue() and "t0k" not in out.getvalue()

@@ -153,3 +153,18 @@ def test_a_sqlite_stores_artifacts_stay_beside_it_whatever_the_working_directory
     run = client.create_run(experiment.experiment_id)
     client.log_text(run.info.run_id, "hello", "note.txt")
     assert any((store.parent / "mlruns" / "a_sweep_x").rglob("note.txt")) and not (elsewhere / "mlruns").exists()
+
+
+def test_an_uncaught_errors_traceback_on_stderr_is_redacted() -> None:
+    """What Python or Hydra prints for an uncaught MLflow error (its text names the URI it called)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from fp8rl.tracking.client import redact_stderr\n"
+        "redact_stderr()\n"
+        "raise ConnectionError('API request to https://alice:s3cret@mlflow.example/api failed (?token=t0k)')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "mlflow.example" in proc.stderr
+    assert "s3cret" not in proc.stderr and "t0k" not in proc.stderr
