@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -48,10 +49,9 @@ def bench_config(overrides: dict, args: argparse.Namespace) -> RunConfig:
     return with_overrides(RunConfig(), {**base, **overrides})
 
 
-def time_round_robin(cfgs: dict[str, RunConfig], steps: int) -> dict[str, dict[str, float]]:
+def time_round_robin(trainers: dict[str, Any], steps: int) -> dict[str, dict[str, float]]:
     """Median phase times per config; the configs take turns step by step, so that load from other
     processes on a shared machine falls on all of them alike."""
-    trainers = {name: build_trainer(cfg) for name, cfg in cfgs.items()}
     for trainer in trainers.values():
         trainer.train_step(0)  # warm-up (allocator, first-call costs)
     samples: dict[str, list[dict]] = {name: [] for name in trainers}
@@ -61,6 +61,29 @@ def time_round_robin(cfgs: dict[str, RunConfig], steps: int) -> dict[str, dict[s
     return {name: {p: statistics.median(m[p] for m in ms) for p in PHASES} for name, ms in samples.items()}
 
 
+def _op_entry(event: Any, total_us: float) -> dict[str, Any]:
+    self_us = event.self_cpu_time_total
+    return {"op": event.key, "self_ms": self_us / 1e3, "calls": event.count, "share": self_us / total_us}
+
+
+def profile_one_step(trainers: dict[str, Any], step: int, top: int) -> dict[str, dict[str, Any]]:
+    """Where one step's time goes, per config: torch.profiler's operators by self CPU time (the top `top`,
+    each with its share of all operators' self time), after the timed steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, trainer in trainers.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            trainer.train_step(step)
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in events)
+        out[name] = {
+            "self_ms_total": total / 1e3,
+            "top": [_op_entry(e, total) for e in events[:top]],
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per config (after one warm-up)")
@@ -68,11 +91,14 @@ def main() -> None:
     parser.add_argument("--warmstart-steps", type=int, default=400)
     parser.add_argument("--interval", type=int, default=20, help="calibration interval K for the overhead estimate")
     parser.add_argument("--out", type=str, default=None)
+    parser.add_argument("--profile", type=int, default=0, help="also profile one step per config: its top N operators")
     args = parser.parse_args()
 
     started = time.time()
     cfgs = {name: bench_config(overrides, args) for name, overrides in CONFIGS.items()}
-    results = time_round_robin(cfgs, args.steps)
+    trainers = {name: build_trainer(cfg) for name, cfg in cfgs.items()}
+    results = time_round_robin(trainers, args.steps)
+    profiles = profile_one_step(trainers, args.steps + 1, args.profile) if args.profile else {}
     base = results["bf16"]["time/step"]
     print(f"{'config':30s} " + " ".join(f"{p.split('/')[1]:>9s}" for p in PHASES) + "   x BF16 step")
     for name, phases in results.items():
@@ -97,6 +123,8 @@ def main() -> None:
     print(f"({time.time() - started:.0f} s, {args.steps} timed steps per config, round-robin, median)")
     print(f"allocator: {allocator_settings()}")
     record = {"benchmark": "rl_step", "args": vars(args), "malloc": allocator_settings(), "seconds": results}
+    if profiles:
+        record["profile"] = profiles
     write_json(args.out, {**record, "summary": summary})
 
 

@@ -70,7 +70,32 @@ def rl_step(record: dict) -> list[str]:
     overhead = summary["calibrated_K_overhead_fraction"]
     verdict = _yes_no(overhead <= 0.05)
     lines += ["", f"Calibrated Clipping at K = {summary['interval_K']}: +{overhead:.2%} of the FP8 step ({verdict})."]
-    return lines
+    return lines + profile_lines(record.get("profile", {}))
+
+
+def profile_lines(profiles: dict) -> list[str]:
+    """One profiled step per config: each operator's self CPU time in ms (its share of the step's operator time),
+    for the operators among any config's top five."""
+    if not profiles:
+        return []
+    ops = list(dict.fromkeys(e["op"] for p in profiles.values() for e in p["top"][:5]))
+    head = "| operator | " + " | ".join(profiles) + " |"
+    lines = [
+        "",
+        "Where one step's time goes (torch.profiler, one step per config after the timed ones; self CPU "
+        "ms and share of all operators' self time):",
+        "",
+        head,
+        "|---" * (len(profiles) + 1) + "|",
+    ]
+    for op in ops:
+        cells = []
+        for p in profiles.values():
+            entry = next((e for e in p["top"] if e["op"] == op), None)
+            cells.append(f"{entry['self_ms']:.0f} ({entry['share']:.0%})" if entry else "-")
+        lines.append(f"| `{op}` | " + " | ".join(cells) + " |")
+    totals = " | ".join(f"{p['self_ms_total']:.0f}" for p in profiles.values())
+    return [*lines, f"| all operators | {totals} |"]
 
 
 def clip_overhead(record: dict) -> list[str]:

@@ -39,3 +39,21 @@ def test_main_writes_summary_md(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("sys.argv", ["summarize.py", str(tmp_path)])
     module.main()
     assert "| 1.70 | NOT met |" in (tmp_path / "SUMMARY.md").read_text()
+
+
+def test_the_profiled_step_is_a_table_of_each_configs_top_operators(tmp_path: Path) -> None:
+    record = rl_step_record(1.25)
+    record["profile"] = {
+        "bf16": {"self_ms_total": 900.0, "top": [{"op": "aten::mm", "self_ms": 450.0, "calls": 10, "share": 0.5}]},
+        "fp8_full-tensorwise": {
+            "self_ms_total": 1200.0,
+            "top": [
+                {"op": "aten::mm", "self_ms": 480.0, "calls": 10, "share": 0.4},
+                {"op": "aten::_to_copy", "self_ms": 240.0, "calls": 90, "share": 0.2},
+            ],
+        },
+    }
+    (tmp_path / "rl_step.json").write_text(json.dumps(record))
+    text = load_benchmark("summarize").summarize(tmp_path)
+    assert "| `aten::mm` | 450 (50%) | 480 (40%) |" in text
+    assert "| `aten::_to_copy` | - | 240 (20%) |" in text and "| all operators | 900 | 1200 |" in text
