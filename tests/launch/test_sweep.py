@@ -284,7 +284,7 @@ def test_a_jobs_pickled_config_carries_no_credentials(monkeypatch) -> None:
     from fp8rl.launch.sweep import job_config
     from fp8rl.tracking import resolve_tracking_uri
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///unused.db")  # restored after the test: job_config sets it
     uri = "https://alice:s3cret@mlflow.example/x"
     job = job_config(with_overrides(RunConfig(), {"tracking.tracking_uri": uri}))
     assert "s3cret" not in repr(job) and job["tracking"]["tracking_uri"] is None
