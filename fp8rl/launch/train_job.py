@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from typing import Any
 
 import submitit
 
 log = logging.getLogger(__name__)
+
+
+class JobFailed(RuntimeError):
+    """A job's error whose text held credentials: the redacted traceback, in place of the original."""
 
 
 class TrainJob(submitit.helpers.Checkpointable):
@@ -35,12 +40,19 @@ class TrainJob(submitit.helpers.Checkpointable):
         from fp8rl.identity import config_hash
         from fp8rl.job import run_job
         from fp8rl.job.lock import RunFolderInUse
+        from fp8rl.tracking.client import redact, redact_stderr
 
+        redact_stderr()  # submitit keeps the job's stderr in a file beside its pickles
         cfg = validated(from_dict(self.cfg))
         try:
             summary = run_job(cfg, submitted_at=self.submitted_at)
         except RunFolderInUse as held:  # another launch of the sweep took this point first: its run, not a failure
             return {"held_by": str(held), "config_hash": config_hash(cfg)}
+        except Exception:  # submitit pickles what the job raised: its text may quote a credentialed URI
+            text = traceback.format_exc()
+            if redact(text) == text:
+                raise
+            raise JobFailed(redact(text)) from None
         return {
             "run_id": summary.run_id,
             "config_hash": config_hash(cfg),

@@ -321,3 +321,28 @@ def test_the_sweep_table_shows_its_store_without_credentials() -> None:
     out = io.StringIO()
     print_report(report, Console(file=out, width=200))
     assert "mlflow.example" in out.getvalue() and "s3cret" not in out.getvalue() and "t0k" not in out.getvalue()
+
+
+def test_a_jobs_error_is_pickled_without_the_credentials_it_quotes(monkeypatch) -> None:
+    """submitit pickles what a job raised into the sweep's folder; an MLflow error names the URI it called."""
+    import pickle
+
+    import fp8rl.job
+    from fp8rl.config import RunConfig, to_dict
+    from fp8rl.launch.train_job import JobFailed, TrainJob
+
+    def fails(cfg, **kwargs):
+        raise ConnectionError("API request to https://alice:s3cret@mlflow.example/api failed")
+
+    monkeypatch.setattr(fp8rl.job, "run_job", fails)
+    with pytest.raises(JobFailed) as raised:
+        TrainJob(to_dict(RunConfig()))()
+    assert "ConnectionError" in str(raised.value) and "mlflow.example" in str(raised.value)
+    assert b"s3cret" not in pickle.dumps(raised.value)
+
+    def fails_plainly(cfg, **kwargs):
+        raise ValueError("no credentials here")
+
+    monkeypatch.setattr(fp8rl.job, "run_job", fails_plainly)
+    with pytest.raises(ValueError, match="no credentials here"):  # the original error, untouched
+        TrainJob(to_dict(RunConfig()))()
