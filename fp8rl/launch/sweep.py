@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl.choices import validated
-from fp8rl.config import ConfigError, RunConfig, to_dict, with_overrides
+from fp8rl.config import ConfigError, RunConfig, with_overrides
 from fp8rl.identity import config_hash
 from fp8rl.launch.experiment import (
     SweepDefinition,
@@ -38,9 +38,9 @@ from fp8rl.launch.experiment import (
     axis_tag,
     expand_experiment,
     expand_points,
-    experiment_description,
 )
 from fp8rl.launch.launchers import Launcher, check_fits, make_executor, resolve_launcher
+from fp8rl.launch.parent import DESCRIPTION_TAG, ensure_parent, finish_parent, sweep_description
 from fp8rl.tracking import store
 from fp8rl.tracking.client import bound_mlflow_http, ensure_experiment_tag, probe_store, redact
 
@@ -356,19 +356,6 @@ def submit(report: SweepReport, launcher: Launcher, req: SweepRequest) -> None:
     _finish_parent(report)
 
 
-def job_config(cfg: RunConfig) -> dict[str, Any]:
-    """The config a job is pickled with (submitit writes it to the sweep's folder, often on a shared disk). A
-    tracking URI that carries credentials is left out of it: the job reads the URI from $MLFLOW_TRACKING_URI,
-    which it inherits from this process (submitit's local jobs copy the environment; Slurm exports it by
-    default), and `tracking.tracking_uri` is not part of a run's identity."""
-    job = to_dict(cfg)
-    uri = cfg.tracking.tracking_uri
-    if uri and redact(uri) != uri:
-        os.environ["MLFLOW_TRACKING_URI"] = uri
-        job["tracking"]["tracking_uri"] = None
-    return job
-
-
 def _write_plan(report: SweepReport, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     plan = [
@@ -385,7 +372,7 @@ def _write_plan(report: SweepReport, folder: Path) -> None:
 
 
 def _run_inline(todo: list[PlannedRun], progress: Progress | None = None) -> None:
-    from fp8rl.launch.train_job import TrainJob
+    from fp8rl.launch.train_job import TrainJob, job_config
 
     for run in todo:
         if run.held_elsewhere():
@@ -409,7 +396,7 @@ def _run_pool(
     """Local executor: at most `max_parallel` jobs at once, waiting for all. submitit's LocalExecutor has no
     ``array_parallelism`` (``map_array`` starts every job at once), so the pool keeps the limit itself and
     submits the next point as soon as one finishes."""
-    from fp8rl.launch.train_job import TrainJob
+    from fp8rl.launch.train_job import TrainJob, job_config
 
     queue, running = list(todo), []
     deadline = time.monotonic() + req.timeout_s if req.timeout_s else None
@@ -442,7 +429,7 @@ def _submit_slurm(
     """One Slurm job per point, named after the sweep and config hash (re-launches find it in squeue), waited
     for with submitit's ``as_completed``. Not a job array: an array's tasks share one job name, and a re-launch
     recognises a queued or running point in squeue by its name (`mark_in_flight`)."""
-    from fp8rl.launch.train_job import TrainJob
+    from fp8rl.launch.train_job import TrainJob, job_config
 
     jobs = []
     for run in todo:
@@ -508,40 +495,6 @@ def _mark_finished_elsewhere(report: SweepReport) -> None:
     for run in held:
         if run.config_hash in finished:
             run.status = "finished"
-
-
-DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as an experiment's or a run's description
-
-
-def sweep_description(definition: SweepDefinition, points: int) -> str:
-    """The experiment file's header comment and what this sweep runs of it (the MLflow UI's description)."""
-    axes = ", ".join(definition.axes) or "none"
-    scale = definition.scale or "the file's default"
-    where = f"`fp8rl sweep {definition.experiment}` (sweeps/experiment/{definition.experiment}.yaml)"
-    header = experiment_description(definition.experiment)
-    return f"{header}\n\n{points} points at scale {scale}; axes: {axes}. {where}."
-
-
-def ensure_parent(mlflow_client: Any, exp_id: str, sweep: str, tags: dict[str, str]) -> str:
-    """The sweep's parent run (reused across launches, set RUNNING), created on the first launch."""
-    parent = store.find_parent(mlflow_client, exp_id, sweep)
-    all_tags = {**tags, store.SWEEP_TAG: sweep, store.ROLE_TAG: store.PARENT_ROLE}
-    if parent is None:
-        run = mlflow_client.create_run(exp_id, run_name=sweep, tags={**all_tags, "mlflow.runName": sweep})
-        return run.info.run_id
-    run_id = parent.info.run_id
-    for key, value in all_tags.items():
-        mlflow_client.set_tag(run_id, key, value)
-    if parent.info.status != "RUNNING":
-        mlflow_client.update_run(run_id, status="RUNNING")
-    return run_id
-
-
-def finish_parent(mlflow_client: Any, parent_id: str, status: str) -> None:
-    if status == "RUNNING":
-        mlflow_client.update_run(parent_id, status="RUNNING")
-    else:
-        mlflow_client.set_terminated(parent_id, status=status)
 
 
 def wide_console() -> Any:

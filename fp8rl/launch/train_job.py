@@ -13,6 +13,7 @@ This module imports no torch at import time: a job unpickles it before doing any
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from typing import Any
@@ -20,6 +21,22 @@ from typing import Any
 import submitit
 
 log = logging.getLogger(__name__)
+
+
+def job_config(cfg: Any) -> dict[str, Any]:
+    """The config a job is pickled with (submitit writes it to the sweep's folder, often on a shared disk). A
+    tracking URI that carries credentials is left out of it: the job reads the URI from $MLFLOW_TRACKING_URI,
+    which it inherits from this process (submitit's local jobs copy the environment; Slurm exports it by
+    default), and `tracking.tracking_uri` is not part of a run's identity."""
+    from fp8rl.config import to_dict
+    from fp8rl.tracking.client import redact
+
+    job = to_dict(cfg)
+    uri = cfg.tracking.tracking_uri
+    if uri and redact(uri) != uri:
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        job["tracking"]["tracking_uri"] = None
+    return job
 
 
 class JobFailed(RuntimeError):

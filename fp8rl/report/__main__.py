@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from fp8rl.report import figures, reruns, tables
+from fp8rl.report import figures, mechanism, reruns, tables
 from fp8rl.tracking import store as runs
 from fp8rl.tracking.provenance import provenance
 
@@ -53,7 +53,7 @@ def cmd_reruns(args: argparse.Namespace) -> list[Path]:
 
 
 def cmd_mechanism(args: argparse.Namespace) -> list[Path]:
-    return tables.write_mechanism(f"mechanism-{args.scale}", args.out, args.tracking_uri)
+    return mechanism.write_mechanism(f"mechanism-{args.scale}", args.out, args.tracking_uri)
 
 
 def cmd_figures(args: argparse.Namespace) -> list[Path]:

@@ -21,7 +21,8 @@ from typing import Any
 import pandas as pd
 
 from fp8rl.report.frames import RunData, load_runs
-from fp8rl.report.tables import MECH_ORDER, compare_name, load_mechanism
+from fp8rl.report.mechanism import MECH_ORDER, load_mechanism
+from fp8rl.report.tables import compare_name
 from fp8rl.tracking import store as runs
 
 

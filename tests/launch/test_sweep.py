@@ -281,7 +281,7 @@ def test_a_jobs_pickled_config_carries_no_credentials(monkeypatch) -> None:
     """submitit pickles each job's config into the sweep's folder: a credentialed tracking URI travels in the
     job's environment instead ($MLFLOW_TRACKING_URI), which the job resolves to the same store."""
     from fp8rl.config import RunConfig, with_overrides
-    from fp8rl.launch.sweep import job_config
+    from fp8rl.launch.train_job import job_config
     from fp8rl.tracking import resolve_tracking_uri
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///unused.db")  # restored after the test: job_config sets it

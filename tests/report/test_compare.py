@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.entities import Metric
 
-from fp8rl.launch.sweep import ensure_parent
+from fp8rl.launch.parent import ensure_parent
 from fp8rl.report.compare import compare, parse_metrics
 from fp8rl.report.frames import Column, grouped, reduce_values, runs_frame
 from fp8rl.tracking import store as mlflow_runs

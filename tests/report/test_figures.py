@@ -8,7 +8,7 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.colors import to_rgb
 
-from fp8rl.launch.sweep import ensure_parent
+from fp8rl.launch.parent import ensure_parent
 from fp8rl.report import figures
 from fp8rl.report.frames import load_runs
 from fp8rl.tracking import store as runs

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fp8rl.launch.sweep import ensure_parent
+from fp8rl.launch.parent import ensure_parent
 from fp8rl.report import tables
 from fp8rl.report.__main__ import main
 from fp8rl.tracking import store as runs
@@ -133,23 +133,6 @@ def test_figures_from_the_store(store: str, tmp_path: Path) -> None:
     assert main(["--tracking-uri", store, "--out", str(tmp_path), "figures"]) == 0
     assert (tmp_path / "figures" / "grpo_granularity-tiny_curves.png").stat().st_size > 10_000
     assert (tmp_path / "figures" / "grpo_granularity-tiny_curves.pdf").exists()
-
-
-def test_wilson_interval_of_a_clip_fraction() -> None:
-    low, high = tables.wilson_interval(0.0, 100)
-    assert low == 0.0 and high == pytest.approx(0.0370, abs=1e-4)  # no token clipped: still up to 3.7%
-    low, high = tables.wilson_interval(0.5, 100)
-    assert (low, high) == (pytest.approx(0.4038, abs=1e-4), pytest.approx(0.5962, abs=1e-4))
-    assert all(v != v for v in tables.wilson_interval(0.1, 0))  # no trials: NaN
-
-
-def test_mcnemar_p_pairs_the_tokens_only_fp8_clips_with_those_only_bf16_clips() -> None:
-    """9 tokens of 624 clipped by FP8 alone, none by BF16 alone: p = 2 * 0.5**9 (exact, two-sided)."""
-    cell = {"clip/overclip_neg": 9 / 624, "clip/underclip_neg": 0.0, "mech/neg_tokens": 624.0}
-    assert tables.mcnemar_p(cell) == pytest.approx(2 * 0.5**9)
-    assert tables.mcnemar_p({**cell, "clip/underclip_neg": 9 / 624}) == pytest.approx(1.0)  # as many each way
-    assert tables.mcnemar_p({**cell, "clip/overclip_neg": 0.0}) == 1.0  # no discordant token
-    assert tables.mcnemar_p({"clip/overclip_neg": 0.1}) != tables.mcnemar_p({"clip/overclip_neg": 0.1})  # NaN
 
 
 def test_a_window_is_paired_only_where_both_runs_have_the_same_steps() -> None:
