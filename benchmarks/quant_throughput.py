@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 GRANULARITIES = ("tensor", "row", "block_1x128", "block_128x128", "mx_1x32")
 TARGET_FRACTION_OF_COPY = 0.10
@@ -87,7 +88,7 @@ def provenance() -> dict:
         "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE", "unset"),
         "malloc": allocator_settings(),
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": " ".join(["python", *sys.argv]).replace(f"{Path.cwd()}/", ""),  # no path of this machine
     }
 
 
