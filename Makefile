@@ -18,20 +18,22 @@ PROFILE ?= local
 DRY_RUN ?=
 SWEEP_ARGS ?=
 COMPARE_ARGS ?=
-# Paper reproduction (results/<scale>/): seeds per table cell, and the recalibration intervals of the ablation
-# (paper: K = 10/20/40 steps of a long run; tiny runs are 40 steps with K = 5, so K scales to 2/5/10).
+# Paper reproduction (results/<scale>/): each experiment file carries its table's seeds; SEEDS=0,1 replaces them in
+# every table. The recalibration intervals of the ablation: the paper's K = 10/20/40 steps of a long run (its
+# experiment file); tiny runs are 40 steps with K = 5, so K scales to 2/5/10.
 comma := ,
-SEEDS ?= 0,1,2
-ENDPOINT_SEEDS ?= 3,4,5,6,7,8,9
+SEEDS ?=
+COLLAPSE_SEEDS ?= 0,1,2
 RESULTS ?= results/$(SCALE)
 RECAL_K ?= $(if $(filter paper,$(SCALE)),10$(comma)20$(comma)40,2$(comma)5$(comma)10)
 REPRO_SWEEP = $(VENV)/bin/fp8rl sweep --launcher $(LAUNCHER) --scale $(SCALE) $(if $(filter slurm,$(LAUNCHER)),--profile $(PROFILE)) $(SWEEP_ARGS)
+SEED_OVERRIDE = $(if $(SEEDS),trainer.seed=$(SEEDS))
 REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):.*## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-18s %s\n", $$1, $$2}'
 
-.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo cc-endpoint grpo-seeds table-dapo ablation stress figures reproduce gpu-bundle gpu-check collapse collapse-pilot collapse-control
+.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-bundle gpu-check collapse collapse-pilot collapse-control
 
 setup: $(STAMP)  ## the venv with torch (CPU) and fp8rl[dev,bench]; every target runs it (idempotent)
 
@@ -118,24 +120,24 @@ mechanism: setup  ## the one-step mechanism study
 	$(REPORT) mechanism
 
 table-grpo: setup  ## the GRPO table (sweep + table)
-	$(REPRO_SWEEP) grpo_granularity trainer.seed=$(SEEDS)
+	$(REPRO_SWEEP) grpo_granularity $(SEED_OVERRIDE)
 	$(REPORT) table grpo_granularity
 
 table-dapo: setup  ## the DAPO table (sweep + table)
-	$(REPRO_SWEEP) dapo_table trainer.seed=$(SEEDS)
+	$(REPRO_SWEEP) dapo_table $(SEED_OVERRIDE)
 	$(REPORT) table dapo_table
 
 ablation: setup  ## the Calibrated Clipping ablations
-	$(REPRO_SWEEP) ablation_recal_interval clipping.interval=$(RECAL_K) trainer.seed=$(SEEDS)
-	$(REPRO_SWEEP) ablation_init_bounds trainer.seed=$(SEEDS)
-	$(REPRO_SWEEP) ablation_lower_only trainer.seed=$(SEEDS)
-	$(REPRO_SWEEP) ablation_first_calibration trainer.seed=$(SEEDS)
+	$(REPRO_SWEEP) ablation_recal_interval clipping.interval=$(RECAL_K) $(SEED_OVERRIDE)
+	$(REPRO_SWEEP) ablation_init_bounds $(SEED_OVERRIDE)
+	$(REPRO_SWEEP) ablation_lower_only $(SEED_OVERRIDE)
+	$(REPRO_SWEEP) ablation_first_calibration $(SEED_OVERRIDE)
 	$(REPORT) table ablation_recal_interval ablation_init_bounds ablation_lower_only ablation_first_calibration
 	$(REPORT) reruns ablation_first_calibration
 
 # Stronger settings for effects the tiny tables do not show (results/README.md's findings): activation outliers.
 stress: setup  ## the activation-outlier stress table
-	$(REPRO_SWEEP) stress_outliers trainer.seed=$(SEEDS)
+	$(REPRO_SWEEP) stress_outliers $(SEED_OVERRIDE)
 	$(REPORT) table stress_outliers
 
 # The demo under three CPU kernel settings (results/studies/2026-12-03-kernel-spread.md): the spread of the
@@ -171,21 +173,10 @@ collapse-control: setup  ## collapse study: positive control (gate)
 collapse: collapse-pilot collapse-control  ## the collapse study (pilot, control, arms if the control passes)
 	@$(COLLAPSE_REPORT) control --gate; status=$$?; \
 	if [ $$status -eq 3 ]; then exit 0; elif [ $$status -ne 0 ]; then exit $$status; fi; \
-	for seed in $(subst $(comma), ,$(SEEDS)); do $(COLLAPSE) trainer.seed=$$seed || exit 1; done; \
+	for seed in $(subst $(comma), ,$(COLLAPSE_SEEDS)); do $(COLLAPSE) trainer.seed=$$seed || exit 1; done; \
 	$(REPORT) table collapse && $(COLLAPSE_REPORT) verdict
 
-# Issue 18's endpoint (CC within 1.5x of BF16's clip/low_neg) with 10 seeds: seeds 3-9 for BF16 and the CC arms
-cc-endpoint: setup  ## Calibrated Clipping endpoint on 10 seeds
-	$(REPRO_SWEEP) grpo_granularity trainer.seed=$(ENDPOINT_SEEDS) +experiment/arm=bf16,cc_tensorwise,cc_rowwise,cc_blockwise
-	$(REPORT) table grpo_granularity
-
-# The rest of the GRPO table to 10 seeds (pre-registered: results/studies/2026-12-02-tables-at-the-earlier-presets.md): seeds 3-9 for vanilla FP8 and
-# the FP8-rollout arm, so vanilla against BF16 and Calibrated Clipping against vanilla are paired on 10 seeds
-grpo-seeds: setup  ## the GRPO table to 10 seeds
-	$(REPRO_SWEEP) grpo_granularity trainer.seed=$(ENDPOINT_SEEDS) +experiment/arm=fp8_rollout_tis,fp8_tensorwise,fp8_rowwise,fp8_blockwise
-	$(REPORT) table grpo_granularity
-
-reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo $(if $(filter tiny,$(SCALE)),cc-endpoint grpo-seeds) table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures  ## every table and figure of results/<scale>/
+reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures  ## every table and figure of results/<scale>/
 	$(REPORT) index
 
 # The GPU path's one prepared check (docs/gpu.md): `make gpu-bundle` here (a package index) builds .gpu-bundle/, the

@@ -31,7 +31,7 @@ def test_sweep_dry_run_prints_the_plan_and_submits_nothing(
 def test_sweep_config_error_exits_2_with_advice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sweep", "dapo_table", "--scale", "paper", "--dry-run", "--root", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "8 of 8 point(s) cannot run" in err and "--profile example_h100" in err
+    assert "24 of 24 point(s) cannot run" in err and "--profile example_h100" in err
 
 
 def test_unknown_arguments_are_refused() -> None:

@@ -17,14 +17,15 @@ from fp8rl.launch.experiment import expand_experiment, expand_points, list_exper
 from fp8rl.launch.launchers import resolve_launcher
 from fp8rl.launch.sweep import SweepConfigError, prepare
 
-EXPECTED = {  # experiment -> (points, axes)
-    "grpo_granularity": (8, ["+experiment/arm"]),
-    "dapo_table": (8, ["+experiment/arm"]),
-    "ablation_lower_only": (2, ["+experiment/arm"]),
-    "stress_outliers": (4, ["+experiment/arm"]),
-    "ablation_recal_interval": (3, ["clipping.interval"]),
-    "ablation_init_bounds": (2, ["+experiment/arm"]),
-    "ablation_first_calibration": (3, ["+experiment/arm"]),
+ARM_SEED = ["+experiment/arm", "trainer.seed"]
+EXPECTED = {  # experiment -> (points, axes); the tables' files carry their seeds
+    "grpo_granularity": (80, ARM_SEED),
+    "dapo_table": (24, ARM_SEED),
+    "ablation_lower_only": (6, ARM_SEED),
+    "stress_outliers": (12, ARM_SEED),
+    "ablation_recal_interval": (9, ["clipping.interval", "trainer.seed"]),
+    "ablation_init_bounds": (6, ARM_SEED),
+    "ablation_first_calibration": (9, ARM_SEED),
     "fp8_rollout_baseline": (4, ["precision", "clipping"]),
     "collapse": (3, ["+experiment/arm"]),
 }
@@ -85,12 +86,12 @@ def test_paper_scale_differs_from_tiny_only_in_size() -> None:
 
 @pytest.mark.timeout(120)
 def test_command_line_sweep_adds_an_axis_or_replaces_the_files_and_a_plain_override_pins_one(tmp_path: Path) -> None:
-    seeds = expand_experiment("ablation_recal_interval", "tiny", ["trainer.seed=0,1"])
-    assert (len(seeds.points), seeds.axes) == (6, ["clipping.interval", "trainer.seed"])
-    pinned = expand_experiment("ablation_recal_interval", "tiny", ["clipping.interval=7"])
+    added = expand_experiment("ablation_recal_interval", "tiny", ["trainer.seed=0,1", "algo.lr=1e-5,2e-5"])
+    assert (len(added.points), added.axes) == (12, ["clipping.interval", "trainer.seed", "algo.lr"])
+    pinned = expand_experiment("ablation_recal_interval", "tiny", ["clipping.interval=7", "trainer.seed=4"])
     assert (len(pinned.points), pinned.axes) == (1, [])
-    assert pinned.points[0].cfg.clipping.interval == 7
-    replaced = expand_experiment("ablation_recal_interval", "tiny", ["clipping.interval=2,5"])
+    assert (pinned.points[0].cfg.clipping.interval, pinned.points[0].cfg.trainer.seed) == (7, 4)
+    replaced = expand_experiment("ablation_recal_interval", "tiny", ["clipping.interval=2,5", "trainer.seed=0"])
     assert (len(replaced.points), replaced.axes) == (2, ["clipping.interval"])
     assert [p.cfg.clipping.interval for p in replaced.points] == [2, 5]
 
@@ -150,3 +151,24 @@ def test_a_representative_point_of_each_experiment_runs_two_steps(
     assert result["steps_done"] == 2
     assert math.isfinite(result["final_eval"]["eval/accuracy"])
     assert (Path(run.cfg.trainer.out_dir) / "checkpoints").is_dir()
+
+
+# The overrides `make reproduce` adds at tiny scale (the Makefile's RECAL_K): the files carry the rest.
+MAKE_OVERRIDES = {"ablation_recal_interval": ["clipping.interval=2,5,10"]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "published", sorted(Path(__file__).parents[2].glob("results/tiny/*-tiny.runs.json")), ids=lambda p: p.name
+)
+def test_each_experiment_file_composes_exactly_its_published_tables_runs(published: Path) -> None:
+    """Its arms and seeds included: `make reproduce` is a list of experiments, and each file, as `make` runs it,
+    recomputes the config hashes of the runs its table was built from, no more and no fewer."""
+    import json
+
+    from fp8rl.identity import config_hash
+
+    experiment = published.name.removesuffix("-tiny.runs.json")
+    definition = expand_experiment(experiment, "tiny", MAKE_OVERRIDES.get(experiment, []))
+    runs = json.loads(published.read_text())["runs"]
+    assert sorted(config_hash(p.cfg) for p in definition.points) == sorted(r["tags"]["fp8rl.config_hash"] for r in runs)
