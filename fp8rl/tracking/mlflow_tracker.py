@@ -1,4 +1,4 @@
-"""MLflow tracking for one run: one layer, one local write-ahead log (WAL), MLflow's own async logging.
+"""MLflow tracking for one run: one layer, one local write-ahead log (WAL), uploads on a background thread.
 
 The trainer is handed a `Tracker`; the maths never imports this module.
 
@@ -7,8 +7,10 @@ The trainer is handed a `Tracker`; the maths never imports this module.
 - Runs are created with MLflow's standard tags (`resolve_tags`: user, source, git commit), a description
   (``mlflow.note.content``), params (credentials in URIs redacted) and tags; a resumed run continues the
   same MLflow run.
-- ``log_metrics`` appends the step's record to the WAL in the run folder (a local append), then hands it
-  to MLflow's asynchronous ``log_batch`` and returns. NaN and inf are logged as such. A step counts as stored
+- ``log_metrics`` appends the step's record to the WAL in the run folder (a local append), then hands its
+  ``log_batch`` to one upload thread (a `concurrent.futures` executor: each step's own future and MLflow's own
+  error, whose ``error_code`` says whether the store refused the request; MLflow's asynchronous logging joins
+  its errors into one message without codes) and returns. NaN and inf are logged as such. A step counts as stored
   only when its own upload succeeded or MLflow holds it (never because a later step did: a store locked for a
   while fails some batches while later ones land). The WAL is deleted when the run ends with every step
   stored; a run killed in between replays it on resume (the steps MLflow holds are skipped, so no step is
@@ -30,6 +32,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,7 +55,8 @@ CONFIG_HASH_TAG = "fp8rl.config_hash"  # the tag that says which config a run co
 DATASET_CONTEXT_TAG = "mlflow.data.context"  # MLflow's standard input tag: training / evaluation
 EXPERIMENT_KIND = "finetuning"  # the MLflow UI's model-training view (not the GenAI one)
 _METRIC_NAME_INVALID = re.compile(r"[^A-Za-z0-9_\-. :/]")  # what MLflow accepts in a metric name
-_REQUEST_ERRORS = ("INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE")
+# MlflowException.error_code of a request the store refused (retrying cannot help); other errors: the store is away
+_REQUEST_ERRORS = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE"})
 
 
 class Tracker(Protocol):
@@ -120,7 +124,8 @@ class MlflowTracker:
         self.wal_path = Path(out_dir) / WAL_NAME
         self.run_id: str | None = None
         self._client: Any = None
-        self._pending: list[tuple[int, Any]] = []  # (step, RunOperations) not yet confirmed
+        self._pending: list[tuple[int, Future]] = []  # (step, its upload) not yet confirmed
+        self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp8rl-mlflow-upload")
         self._confirmed: set[int] = set()  # steps MLflow holds (their upload succeeded, or it had them)
         self._refused: set[int] = set()  # steps MLflow refused (a request error: retrying cannot help)
         self._last_probe = 0.0
@@ -365,23 +370,20 @@ class MlflowTracker:
         if record["step"] in self._confirmed or record["step"] in self._refused:
             return
         metrics = [Metric(metric_name(k), v, record["timestamp"], record["step"]) for k, v in record["metrics"].items()]
-        try:
-            operations = self._client.log_batch(self.run_id, metrics=metrics, synchronous=False)
-        except Exception as err:  # noqa: BLE001 - the store went away: keep the WAL, retry later
-            self._on_error(err)
-            return
-        self._pending.append((record["step"], operations))
+        if self.online:  # (a replay's artifact upload may have lost the store meanwhile)
+            upload = self._uploads.submit(self._client.log_batch, self.run_id, metrics=metrics, synchronous=True)
+            self._pending.append((record["step"], upload))
 
     def _collect_finished(self) -> None:
         """Confirm each upload that succeeded; a failed one sends the tracker offline (the WAL keeps the data,
         and its step is sent again), a refused one is kept apart (it stays in the WAL)."""
-        for entry in [e for e in self._pending if all(f.done() for f in e[1]._operation_futures)]:
+        for entry in [e for e in self._pending if e[1].done()]:
             if entry not in self._pending:  # cleared: the store was lost while collecting
                 return
             self._pending.remove(entry)
-            step, operations = entry
+            step, upload = entry
             try:
-                operations.wait()
+                upload.result()
             except Exception as err:  # noqa: BLE001
                 if self._on_error(err):
                     return
@@ -402,7 +404,7 @@ class MlflowTracker:
     def _on_error(self, err: BaseException) -> bool:
         """A refused request is logged and dropped (retrying cannot help); anything else means the store
         went away. Returns whether the tracker went offline."""
-        if any(code in str(err) for code in _REQUEST_ERRORS):
+        if getattr(err, "error_code", None) in _REQUEST_ERRORS:
             log.error("MLflow refused a tracking request (dropped; the record stays in %s): %s", self.wal_path, err)
             return False
         self._lose_store(err)

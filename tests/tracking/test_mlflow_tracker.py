@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.tracking import MlflowClient
 
 from fp8rl.tracking import MlflowTracker, RunSpec, TrackingUnavailable, redact
@@ -89,21 +91,15 @@ def test_redaction_and_metric_names() -> None:
 
 # ------------------------------------------------------------------------------------ the record under faults
 def _failing_uploads(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
-    """The async uploads of `steps` fail as a locked sqlite store fails them, while later steps' land."""
-    from concurrent.futures import Future
-
-    from mlflow.utils.async_logging.run_operations import RunOperations
-
+    """The uploads of `steps` fail once as a locked sqlite store fails them, while later steps' land."""
     original = MlflowClient.log_batch
     failed_once: set[int] = set()
 
     def log_batch(self, run_id, metrics=(), params=(), tags=(), synchronous=None, **kw):
         step = metrics[0].step if metrics else None
-        if synchronous is False and step in steps and step not in failed_once:
+        if step in steps and step not in failed_once:
             failed_once.add(step)
-            future: Future = Future()
-            future.set_exception(RuntimeError("(sqlite3.OperationalError) database is locked"))
-            return RunOperations([future])
+            raise MlflowException("(sqlite3.OperationalError) database is locked")  # INTERNAL_ERROR
         return original(self, run_id, metrics=metrics, params=params, tags=tags, synchronous=synchronous, **kw)
 
     monkeypatch.setattr(MlflowClient, "log_batch", log_batch)
@@ -126,6 +122,31 @@ def test_steps_whose_upload_failed_are_sent_again_though_later_steps_landed(
     assert _steps(client, tracker.run_id, "m") == [1, 2, 3, 4, 5, 6]
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
     assert not (tmp_path / WAL_NAME).exists()
+
+
+def test_a_request_the_store_refuses_is_told_by_its_error_code_and_dropped_while_the_run_goes_on(
+    tmp_path: Path, sqlite_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow's error code, not its message, says a request was refused (retrying cannot help): the step stays in
+    the WAL, the tracker stays online for the next steps, and the run is not marked FINISHED without it."""
+    original = MlflowClient.log_batch
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=(), synchronous=None, **kw):
+        if metrics and metrics[0].step == 2:
+            raise MlflowException("the value was refused", error_code=INVALID_PARAMETER_VALUE)
+        return original(self, run_id, metrics=metrics, params=params, tags=tags, synchronous=synchronous, **kw)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", log_batch)
+    tracker = MlflowTracker(_spec(sqlite_uri), tmp_path, connect_timeout_s=5, offline_ok=False)
+    for step in (1, 2, 3):
+        tracker.log_metrics({"m": float(step)}, step)
+        tracker._drain(5.0)
+        assert tracker.online, step
+    tracker.finish()
+    client = MlflowClient(sqlite_uri)
+    assert _steps(client, tracker.run_id, "m") == [1, 3]
+    assert client.get_run(tracker.run_id).info.status == "FAILED"
+    assert [r["step"] for r in read_wal(tmp_path / WAL_NAME) if r["kind"] == "metrics"] == [1, 2, 3]
 
 
 def test_a_record_still_incomplete_at_the_end_is_not_finished_and_keeps_its_log(
