@@ -41,7 +41,11 @@ MECH_ORDER = ("fp32", "bf16", "tensorwise", "rowwise", "blockwise", "mxfp8")
 
 
 def wilson_interval(fraction: float, n: float, z: float = 1.959964) -> tuple[float, float]:
-    """The Wilson score 95% interval of a binomial share `fraction` of `n` trials."""
+    """The Wilson score 95% interval of a binomial share `fraction` of `n` trials.
+
+    Written out rather than taken from scipy: `stats.binomtest(k, n).proportion_ci(method="wilson")` takes
+    integer counts, and the shares here (``clip/*`` means over micro-batches) are not integer counts of their
+    ``n``; rounding them first moves the interval of 349 of the mechanism table's 1200 cells."""
     if n <= 0 or math.isnan(fraction):
         return math.nan, math.nan
     centre = (fraction + z * z / (2 * n)) / (1 + z * z / n)
