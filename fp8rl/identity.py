@@ -3,7 +3,8 @@ the flat params an MLflow run holds.
 
 Which fields enter the hash is declared where each field is declared (`fp8rl.config.option`: ``hashed=False``
 for where and how fast a run runs; ``neutral`` for a field added after runs were published, the value that
-reproduces the behaviour from before it existed, at which the field is left out). A test recomputes the
+reproduces the behaviour from before it existed, at which the field is left out; `precision.kv_cache_scales`
+is also left out where there is no FP8 KV cache, since it computes nothing there). A test recomputes the
 published runs' hashes from their params, so a field added without its neutral value fails it.
 """
 
@@ -46,6 +47,8 @@ REMOVED_FIELDS = ("trainer.keep_freed_memory",)
 def hash_view(cfg: RunConfig) -> dict[str, Any]:
     """The flat fields that define what a run computes, under the names finished runs were hashed with."""
     flat = {**flatten(to_dict(cfg)), **resolved_recipe(cfg)}
+    if not cfg.precision.fp8_kv_cache:  # the KV cache's scales compute nothing without an FP8 KV cache
+        flat.pop("precision.kv_cache_scales")
     unhashed, neutral_values = identity_rules()
     view = {}
     for key, value in flat.items():
@@ -108,6 +111,7 @@ def from_params(params: Mapping[str, str]) -> RunConfig:
     precision = nested.setdefault("precision", {})
     if "pow2_scale" not in precision:  # logged before the field existed: the rounding of that time
         precision["pow2_scale"] = legacy_pow2_scale(precision.get("recipe", "tensorwise"))
+    precision.setdefault("kv_cache_scales", "unit")  # logged before the field existed: unit scales
     return from_dict(nested)
 
 

@@ -222,9 +222,24 @@ def test_the_torchao_backend_runs_its_own_recipes_only() -> None:
         with_overrides(RunConfig(), {**fp8, "precision.backend": "torchao", "precision.amax_reduction": "tp_invariant"})
 
 
-def test_calibrated_kv_cache_scales_are_refused_on_vllm_until_it_gets_them() -> None:
-    kv = {"precision.mode": "fp8_full", "precision.fp8_kv_cache": True, "precision.kv_cache_scales": "calibrated"}
-    with pytest.raises(ConfigError, match="kv_cache_scales=calibrated is the built-in engine's"):
-        with_overrides(RunConfig(), {**kv, "rollout.engine": "vllm"})
+def test_an_fp8_kv_cache_is_calibrated_by_default_on_either_engine_and_unit_scales_are_an_option() -> None:
+    kv = {"precision.mode": "fp8_full", "precision.fp8_kv_cache": True}
+    assert with_overrides(RunConfig(), kv).precision.kv_cache_scales == "calibrated"
+    with_overrides(RunConfig(), {**kv, "rollout.engine": "vllm"})  # vLLM takes the calibrated scales too
+    with_overrides(RunConfig(), {**kv, "precision.kv_cache_scales": "unit"})
     with pytest.raises(ConfigError, match="precision.kv_cache_scales='per_head' is not valid"):
         with_overrides(RunConfig(), {**kv, "precision.kv_cache_scales": "per_head"})
+
+
+def test_kv_cache_scales_enter_the_identity_only_with_an_fp8_kv_cache() -> None:
+    """The default moved from unit to calibrated: runs without an FP8 KV cache keep their hash (the scales compute
+    nothing there), unit-scale runs logged before the field existed read back as unit, and the two policies of an
+    FP8 KV cache hash apart."""
+    fp8 = with_overrides(RunConfig(), {"precision.mode": "fp8_full"})
+    assert config_hash(with_overrides(fp8, {"precision.kv_cache_scales": "unit"})) == config_hash(fp8)
+    kv = with_overrides(fp8, {"precision.fp8_kv_cache": True})
+    unit = with_overrides(kv, {"precision.kv_cache_scales": "unit"})
+    assert config_hash(kv) != config_hash(unit)
+    legacy = {k: str(v) for k, v in flatten(to_dict(unit)).items() if k != "precision.kv_cache_scales"}
+    assert from_params(legacy).precision.kv_cache_scales == "unit"
+    assert config_hash(from_params(legacy)) == config_hash(unit)

@@ -33,9 +33,9 @@ class PrecisionConfig:
     )
     fp8_kv_cache: bool = option(False, "FP8 (E4M3) KV cache in the rollout")
     kv_cache_scales: str = option(
-        "unit",
-        "FP8 KV cache scales: unit (vLLM's default) or calibrated (per layer, amax / 448 of the previous step's "
-        "keys and values, as NeMo-RL recalibrates them; built-in engine)",
+        "calibrated",
+        "FP8 KV cache scales: calibrated (per layer, amax / 448 of the previous step's keys and values, as NeMo-RL "
+        "recalibrates them) or unit (vLLM's default when a checkpoint carries no scales); only with fp8_kv_cache",
         neutral=("unit",),
     )
     amax_reduction: str = option(

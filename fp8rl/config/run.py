@@ -63,11 +63,6 @@ def check_combinations(cfg: RunConfig) -> None:
         "precision.backend=emulated on CPU",
     )
     _require(
-        not (p.fp8_kv_cache and p.kv_cache_scales == "calibrated" and cfg.rollout.engine == "vllm"),
-        "precision.kv_cache_scales=calibrated is the built-in engine's (vLLM takes k_scale / v_scale from the "
-        "checkpoint, which fp8rl does not write yet): use rollout.engine=builtin, or precision.kv_cache_scales=unit",
-    )
-    _require(
         p.backend != "torchao" or p.amax_reduction == "te",
         "precision.amax_reduction=tp_invariant is the emulator's: torchao scales each rank's shard itself; use "
         "precision.backend=emulated for it",

@@ -214,6 +214,7 @@ def build_engine(cfg: RunConfig, policy: Policy, model_cfg: ModelConfig, task: T
         task.tokenizer.pad_id,
         recipe=plan.rollout_recipe,
         fp8_kv_cache=cfg.precision.fp8_kv_cache,
+        kv_cache_scales=cfg.precision.kv_cache_scales,
         dtype="bfloat16",
         device=cfg.model.device,
         tokenizer=task.tokenizer if hasattr(task.tokenizer, "save") else checkpoint_folder(cfg.model.hf_path),

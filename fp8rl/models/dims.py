@@ -44,6 +44,7 @@ class ParallelDims:
     plan: ParallelLayout = field(default=ONE_PROCESS)
     dp_group: Any = None  # None: one process, or the default group (tests of DP alone)
     tp_group: Any = None  # None: TP = 1
+    pp_group: Any = None  # None: PP = 1
 
     @classmethod
     def current(cls, plan: ParallelLayout | None = None) -> ParallelDims:
@@ -68,6 +69,7 @@ class ParallelDims:
             plan=plan,
             dp_group=ps.get_data_parallel_group() if sizes[2] > 1 else None,
             tp_group=ps.get_tensor_model_parallel_group() if sizes[0] > 1 else None,
+            pp_group=ps.get_pipeline_model_parallel_group() if sizes[1] > 1 else None,
         )
 
     @property
@@ -141,6 +143,15 @@ class ParallelDims:
         if self.tp > 1:
             dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.tp_group)
         return out
+
+    def union_over_stages(self, value: dict) -> dict:
+        """Every pipeline stage's `value` in one dict (each stage holds its own layers' entries): what a rank needs
+        whose engine runs the whole model (vLLM)."""
+        if self.pp == 1:
+            return value
+        parts: list[Any] = [None] * self.pp
+        dist.all_gather_object(parts, value, group=self.pp_group)
+        return {key: item for part in parts for key, item in part.items()}
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
         out = tensor.detach().clone()

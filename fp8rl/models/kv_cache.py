@@ -1,23 +1,27 @@
 """An emulated FP8 KV cache for megatron's static inference context (the built-in rollout engine).
 
-What vLLM's ``kv_cache_dtype="fp8"`` does, and what fp8rl's vLLM engine asks for: keys and values are
-stored as E4M3 with unit scales (vLLM's default when no scales are calibrated) and read back into the
-compute dtype for attention. Here every key and value a self-attention layer writes to its cache is
-rounded to E4M3 (scale 1, saturated at +-448) and stored in the compute dtype: the same numbers as
+What vLLM's ``kv_cache_dtype="fp8"`` does: keys and values are stored as E4M3 with a per-layer scale and read
+back into the compute dtype for attention. Here every key and value a self-attention layer writes to its cache
+is rounded to E4M3 (saturated at +-448 x scale) and stored in the compute dtype: the same numbers as
 storing the FP8 codes and converting them on read. Attention then reads only rounded entries, in the
 prefill as in every decode step.
 
-Scales (``precision.kv_cache_scales``): "unit" is vLLM's default (scale 1, as above); "calibrated" gives each
-layer its own key and value scale, amax / 448, as NeMo-RL recalibrates Q/K/V scales every step: the trainer
-records every layer's key and value amax over the real (unmasked) tokens of its old-log-prob pass over the
-step's rollout (`recording_kv_amax`, reduced over data- and tensor-parallel ranks so the scales do not depend on
-the layout), and the next rollout's cache uses them (`fp8_kv_cache(model, scales=...)`). The first rollout of a
-run, before any pass has been recorded, runs unit scales.
+Scales (``precision.kv_cache_scales``): "unit" is vLLM's default for a checkpoint without scales (scale 1);
+"calibrated" (the default) gives each layer its own key and value scale, amax / 448, as NeMo-RL recalibrates
+Q/K/V scales every step: the trainer records every layer's key and value amax over the real (unmasked) tokens
+of its old-log-prob pass over the step's rollout (`recording_kv_amax`, reduced over data- and tensor-parallel
+ranks so the scales do not depend on the layout, gathered over pipeline stages), and the next rollout's cache
+uses them (`fp8_kv_cache(model, scales=...)`; vLLM: `VllmEngine.set_kv_scales`). The first rollout of a run,
+before any pass has been recorded, runs unit scales.
 
 One difference from vLLM, by construction of megatron's static context: it caches keys *before*
 rotary embedding (the cached keys are rotated when read), vLLM caches them after. Here the rounding
 therefore applies to pre-rotation keys, so the keys' rounding errors differ element by element from
-vLLM's (not measured here); values are rounded the same way in both.
+vLLM's (not measured here); values are rounded the same way in both. The calibration follows each engine's
+cache: `recording_kv_amax(model, keys=...)` records the keys where the engine stores them ("pre_rotary" for
+this engine, "post_rotary", the inputs of megatron's core attention, for vLLM's; an engine says which in its
+``kv_cache_keys``). Rotary embedding keeps each rotated pair's norm, not each element's, so the two amaxes
+differ by up to a factor sqrt(2).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ KV_CACHE_SCALE = 1.0  # vLLM's default k_scale / v_scale
 
 
 KV_SCALE_POLICIES = ("unit", "calibrated")
+KV_CACHE_KEYS = ("pre_rotary", "post_rotary")  # where an engine's cache takes the keys: before or after rotary
 E4M3_MAX = 448.0
 KvScales = dict[int, tuple[float, float]]  # megatron layer_number -> (key scale, value scale)
 
@@ -78,21 +83,39 @@ def _recording_writes(original, record, inference_context, query, key, value, *a
     return original(inference_context, query, key, value, *args, **kwargs)
 
 
+def _recording_core_attention_inputs(record, module, args):
+    _, key, value = args[:3]  # [s, b, groups, head dim]: the keys after rotary, as the core attention reads them
+    record.append((key.detach().abs().amax(dim=(2, 3)), value.detach().abs().amax(dim=(2, 3))))
+
+
 @contextlib.contextmanager
-def recording_kv_amax(model: torch.nn.Module) -> Iterator[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+def recording_kv_amax(
+    model: torch.nn.Module, keys: str = "pre_rotary"
+) -> Iterator[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
     """Inside the block, every training forward of `model` records each layer's per-position key and value amax
-    ([s, b] per forward, in call order: micro-batches stack along b); `kv_amax` reduces them."""
+    ([s, b] per forward, in call order: micro-batches stack along b); `kv_amax` reduces them. `keys`: the keys
+    before rotary embedding (where megatron's inference context caches them) or after it (vLLM's cache)."""
+    if keys not in KV_CACHE_KEYS:
+        raise ValueError(f"keys={keys!r}; valid: {list(KV_CACHE_KEYS)}")
     records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     attentions = _attentions(model)
+    hooks = []
     for attention in attentions:
-        original = attention._adjust_key_value_for_inference
         record = records.setdefault(attention.layer_number, [])
+        if keys == "post_rotary":
+            hook = functools.partial(_recording_core_attention_inputs, record)
+            hooks.append(attention.core_attention.register_forward_pre_hook(hook))
+            continue
+        original = attention._adjust_key_value_for_inference
         attention._adjust_key_value_for_inference = functools.partial(_recording_writes, original, record)
     try:
         yield records
     finally:
-        for attention in attentions:
-            del attention._adjust_key_value_for_inference
+        for hook in hooks:
+            hook.remove()
+        if keys == "pre_rotary":
+            for attention in attentions:
+                del attention._adjust_key_value_for_inference
 
 
 def kv_amax(records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], attention_mask: torch.Tensor) -> torch.Tensor:

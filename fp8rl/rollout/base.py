@@ -77,7 +77,12 @@ class RolloutBatch:
 
 
 class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine (built-in Megatron engine, vLLM)."""
+    """What the trainer needs from a rollout engine (built-in Megatron engine, vLLM).
+
+    An engine whose FP8 KV cache takes calibrated scales (``precision.kv_cache_scales=calibrated``) also has
+    ``calibrates_kv_cache = True``, ``kv_cache_keys`` ("pre_rotary" / "post_rotary": where its cache takes the
+    keys, so the trainer records their amax there), ``kv_scales`` and ``set_kv_scales(scales)`` (per layer
+    (key, value) scales, used from the next rollout on); the trainer looks for them with getattr."""
 
     name: str
 

@@ -45,6 +45,7 @@ class BuiltinEngine:
         if kv_cache_scales not in KV_SCALE_POLICIES:
             raise ValueError(f"kv_cache_scales={kv_cache_scales!r}; valid: {list(KV_SCALE_POLICIES)}")
         self.calibrates_kv_cache = fp8_kv_cache and kv_cache_scales == "calibrated"
+        self.kv_cache_keys = "pre_rotary"  # megatron's static inference context caches keys before rotary
         self.kv_scales: KvScales = {}  # set by the trainer after each step (calibrated scales), unit until then
 
     def set_kv_scales(self, scales: KvScales) -> None:

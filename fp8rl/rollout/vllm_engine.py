@@ -59,7 +59,12 @@ FP8 (``check_vllm_support`` says what runs where; config validation should call 
 | blockwise  | ``fp8_per_block``: weight 128x128, activation 1x128     | no: needs AMX (Sapphire Rapids+)  |
 | mxfp8      | ``mxfp8``: 1x32 blocks, E8M0 scales (Blackwell)         | no CPU kernel                     |
 
-``fp8_kv_cache`` maps to ``kv_cache_dtype="fp8"`` (E4M3, unit scales). FP8 weights need a bf16 / fp16
+``fp8_kv_cache`` maps to ``kv_cache_dtype="fp8"`` (E4M3). Its scales (``kv_cache_scales``): "unit" is vLLM's
+default for a checkpoint without scales; "calibrated" takes the trainer's per-layer scales (`set_kv_scales`,
+from the keys after rotary embedding, where vLLM caches them) and writes them where vLLM's own loader puts a
+checkpoint's ``k_scale`` / ``v_scale`` (`set_attention_kv_scales`: each ``Attention`` layer's ``_k_scale`` /
+``_v_scale`` tensors, their host floats and CPU copies, vllm/model_executor/layers/quantization/kv_cache.py),
+again after every weight push (a reload resets them to 1), and drops the prefix cache. FP8 weights need a bf16 / fp16
 model dtype. Only the CPU column was run here; the GPU rows follow vLLM 0.32's documented names and are
 unverified until a GPU run. (vLLM 0.32 no longer quantizes online under ``quantization="fp8"``: that name
 now means an FP8-serialized checkpoint, and a bf16 one is refused.)
@@ -67,8 +72,10 @@ now means an FP8-serialized checkpoint, and a bf16 one is refused.)
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -79,6 +86,7 @@ import torch
 
 from fp8rl.models.config import ModelConfig
 from fp8rl.models.hf import hf_weights, iter_hf_tensors, local_names, save_hf_checkpoint
+from fp8rl.models.kv_cache import KV_SCALE_POLICIES, KvScales
 from fp8rl.models.logprobs import left_pad
 from fp8rl.models.policy import Policy
 from fp8rl.models.runtime import require_megatron
@@ -274,6 +282,31 @@ def vllm_engine_args(
     return args
 
 
+def set_attention_kv_scales(scales: KvScales, model: torch.nn.Module) -> list[int]:
+    """Run inside a vLLM worker (``LLM.apply_model``): give each of `model`'s attention layers its (key, value)
+    scale from `scales` (megatron layer numbers: vLLM's ``model.layers.N`` is layer N + 1) as vLLM's loader
+    does for a checkpoint's k_scale / v_scale (doubled on FP8-FNUZ platforms, as there). Returns the layer
+    numbers set."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.platforms import current_platform
+
+    factor = 2.0 if current_platform.is_fp8_fnuz() else 1.0
+    done = []
+    for module in model.modules():
+        match = re.search(r"layers\.(\d+)\.", module.layer_name) if isinstance(module, Attention) else None
+        layer = int(match.group(1)) + 1 if match else None
+        if layer not in scales:
+            continue
+        k_scale, v_scale = (factor * float(s) for s in scales[layer])
+        module._k_scale.fill_(k_scale)
+        module._v_scale.fill_(v_scale)
+        module._k_scale_float, module._v_scale_float = k_scale, v_scale
+        module._k_scale_cpu.fill_(k_scale)
+        module._v_scale_cpu.fill_(v_scale)
+        done.append(layer)
+    return done
+
+
 def whole_model_state(model: torch.nn.Module | Policy) -> torch.nn.Module | dict[str, torch.Tensor]:
     """What a Hugging Face export of the whole policy reads: a one-rank model itself, or (TP or PP > 1) its shards
     gathered on every rank (`Policy.full_state_dict`, a collective) under the one-rank names. A shard exported as
@@ -298,6 +331,7 @@ class VllmEngine:
     """
 
     name = "vllm"
+    kv_cache_keys = "post_rotary"  # vLLM caches keys after rotary embedding
 
     def __init__(
         self,
@@ -307,6 +341,7 @@ class VllmEngine:
         *,
         recipe: Any = None,
         fp8_kv_cache: bool = False,
+        kv_cache_scales: str = "unit",
         dtype: str = "bfloat16",
         device: str = "cpu",
         tokenizer: Any = None,
@@ -324,6 +359,11 @@ class VllmEngine:
     ) -> None:
         if sleep_level not in SLEEP_LEVELS:
             raise VllmSupportError(f"sleep_level={sleep_level}; valid: {SLEEP_LEVELS}")
+        if kv_cache_scales not in KV_SCALE_POLICIES:
+            raise VllmSupportError(f"kv_cache_scales={kv_cache_scales!r}; valid: {list(KV_SCALE_POLICIES)}")
+        self.calibrates_kv_cache = fp8_kv_cache and kv_cache_scales == "calibrated"
+        self.kv_scales: KvScales = {}  # set by the trainer after each step (calibrated scales), unit until then
+        self._kv_scales_applied = True  # the engine's scales are kv_scales' (none yet: vLLM's unit scales)
         self.model_cfg = model_cfg
         self.pad_id = pad_id
         self.entropy = entropy
@@ -445,10 +485,31 @@ class VllmEngine:
             detokenize=False,
         )
 
+    def set_kv_scales(self, scales: KvScales) -> None:
+        """The FP8 KV cache's per-layer (key, value) scales for the next rollouts (calibrated scales only)."""
+        if not self.calibrates_kv_cache:
+            raise RuntimeError(
+                "the engine was built with unit KV cache scales (kv_cache_scales='calibrated' sets them)"
+            )
+        self.kv_scales = dict(scales)
+        self._kv_scales_applied = False
+
+    def _apply_kv_scales(self) -> None:
+        """Write `kv_scales` into every worker's attention layers (where vLLM's loader puts a checkpoint's) and
+        drop the prefix cache, whose keys and values were stored with the old scales."""
+        done = self.llm.apply_model(functools.partial(set_attention_kv_scales, self.kv_scales))
+        missing = set(self.kv_scales) - {layer for worker in done for layer in worker}
+        if missing:
+            raise RuntimeError(f"vLLM's model has no attention layer for the KV scales of layers {sorted(missing)}")
+        self.llm.reset_prefix_cache()
+        self._kv_scales_applied = True
+
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: Sequence[int] | None) -> RolloutBatch:
         """One response per prompt row, right-padded to ``sampling.max_new_tokens`` (see the module docstring)."""
         if self._asleep:
             self.wake_up()
+        if not self._kv_scales_applied:
+            self._apply_kv_scales()
         longest = max((len(p) for p in prompts), default=0) + sampling.max_new_tokens
         if longest > self.max_model_len:
             raise ValueError(
@@ -503,6 +564,7 @@ class VllmEngine:
             # HF names and layouts: vLLM fuses them its own way and re-runs the online FP8 quantization.
             kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
             self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        self._kv_scales_applied = not self.kv_scales  # a reload puts vLLM's unit scales back
 
     def close(self) -> None:
         """Shut the engine down and free its memory (a new engine can be built in the same process)."""

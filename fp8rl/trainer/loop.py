@@ -108,10 +108,10 @@ class RLTrainer:
         from this pass's keys and values (`fp8rl.models.kv_cache`)."""
         if not getattr(self.engine, "calibrates_kv_cache", False):
             return self.logprobs(rollout, self.plan.train_recipe)[0]
-        with recording_kv_amax(self.model) as records:
+        with recording_kv_amax(self.model, self.engine.kv_cache_keys) as records:
             old_logp, _ = self.logprobs(rollout, self.plan.train_recipe)
         amax = self.dims.max_over_model_replicas(kv_amax(records, rollout.attention_mask))
-        self.engine.set_kv_scales(kv_scales_from_amax(sorted(records), amax))
+        self.engine.set_kv_scales(self.dims.union_over_stages(kv_scales_from_amax(sorted(records), amax)))
         return old_logp
 
     def wants_shadow(self, step: int) -> bool:

@@ -95,6 +95,18 @@ def test_calibrated_clipping_gives_every_rank_the_same_bounds(workdir: Path) -> 
     assert len(result["bounds"]) == 2 and result["bounds"][0] == result["bounds"][1]
 
 
+def test_calibrated_kv_cache_scales_reach_every_stage_whole(workdir: Path) -> None:
+    """Each pipeline stage records only its own layers' keys and values; every rank's engine gets every layer's
+    scales (vLLM runs the whole model on each rank), equal to one process's (the trainer's pass unquantized: FP8
+    rollout, fp32 compute)."""
+    kv = ("precision.mode=fp8_rollout", "precision.fp8_kv_cache=true", "precision.kv_cache_scales=calibrated")
+    one = first_step(workdir, "kv_one", 1, *kv)["kv_scales"][0]
+    stages = first_step(workdir, "kv_pp2", 2, *kv, "parallel.pipeline_parallel=2")["kv_scales"]
+    assert len(stages) == 2 and stages[0] == stages[1] and sorted(stages[0]) == sorted(one) and len(one) >= 2
+    for layer, (k, v) in one.items():
+        assert stages[0][layer] == pytest.approx((k, v), rel=1e-5)
+
+
 def test_a_stopped_two_rank_job_resumes_where_an_uninterrupted_one_is(workdir: Path) -> None:
     torchrun(2, "run", str(workdir / "full"))
     torchrun(2, "run", str(workdir / "resumed"), "stop-after=1")

@@ -2,7 +2,8 @@
 
     worker.py first-step OUT [overrides ...]   one RL step from the small config; rank 0 writes OUT/result.pt:
                                                the step's rollouts and rewards (all DP ranks, in global order),
-                                               its metrics, the updated full model, the clip bounds
+                                               its metrics, the updated full model, the clip bounds and
+                                               the engine's KV cache scales (every rank's)
     worker.py run OUT [overrides ...]          `fp8rl.job.run_job` (tracking off); rank 0 writes the history
     worker.py hf-export OUT [overrides ...]    the vLLM engine's first checkpoint of the policy (every rank
                                                gathers; rank 0 writes OUT/hf/model.safetensors)
@@ -80,9 +81,12 @@ def first_step(out: Path, overrides: list[str]) -> None:
     state = {k.removeprefix("module."): v for k, v in state.items()}
     every_rank_bounds = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_bounds, [float(b) for b in trainer.clip_policy.bounds])
+    every_rank_kv_scales = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank_kv_scales, dict(trainer.engine.kv_scales))
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         result = {"rows": rows, "metrics": metrics, "state": state, "bounds": every_rank_bounds}
+        result["kv_scales"] = every_rank_kv_scales
         torch.save(result, out / "result.pt")
     dist.barrier()
 

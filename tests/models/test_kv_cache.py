@@ -1,5 +1,6 @@
 """The emulated FP8 KV cache (fp8rl.models.kv_cache) on megatron's static inference context."""
 
+import pytest
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -99,3 +100,29 @@ def prefill_cache_with(model, scales) -> dict:
     with torch.no_grad(), compute_precision("bf16"), fp8_kv_cache(model, True, scales):
         model(prompt_ids, None, causal_padding_mask(prompt_mask), inference_context=ctx, runtime_gather_output=True)
     return ctx.key_value_memory_dict
+
+
+def test_keys_are_recorded_where_the_engine_caches_them_before_or_after_rotary(tiny_model):
+    """vLLM caches keys after rotary embedding, megatron's static context before it: the recorded key amax
+    follows the engine (rotary keeps each rotated pair's norm, so the two differ by at most sqrt(2) per
+    position); values are not rotated and record the same."""
+    assert tiny_model.config.num_layers and tiny_model.position_embedding_type == "rope"
+    prompt_ids, prompt_mask = left_pad(PROMPTS, pad_id=PAD)
+    records = {}
+    for keys in ("pre_rotary", "post_rotary"):
+        with torch.no_grad(), recording_kv_amax(tiny_model, keys) as records[keys]:
+            tiny_model(prompt_ids, None, causal_padding_mask(prompt_mask))
+    pre, post = records["pre_rotary"], records["post_rotary"]
+    assert sorted(pre) == sorted(post) and all(len(pre[layer]) == len(post[layer]) == 1 for layer in pre)
+    for layer in pre:
+        (k_pre, v_pre), (k_post, v_post) = pre[layer][0], post[layer][0]
+        assert torch.equal(v_pre, v_post)
+        assert not torch.equal(k_pre, k_post)  # rotated
+        assert (k_post <= k_pre * 2**0.5 * (1 + 1e-5)).all() and (k_pre <= k_post * 2**0.5 * (1 + 1e-5)).all()
+    with torch.no_grad(), recording_kv_amax(tiny_model, "post_rotary") as again:
+        pass
+    assert all(not hooks for hooks in (m._forward_pre_hooks for m in tiny_model.modules()))  # hooks removed
+    assert again == {layer: [] for layer in pre}
+    with pytest.raises(ValueError, match="keys='after'; valid"):
+        with recording_kv_amax(tiny_model, "after"):
+            pass

@@ -193,3 +193,64 @@ def test_exported_task_folder_serves_text_prompts_with_its_tokenizer(task, tiny_
     for output, tokens, mask in zip(outputs, builtin.response_ids, builtin.response_mask, strict=True):
         assert list(output.outputs[0].token_ids) == tokens[mask.bool()].tolist()  # stopped at the folder's EOS
         assert output.outputs[0].text == task.tokenizer.decode(output.outputs[0].token_ids)
+
+
+def kv_scales_in_engine(vllm_engine) -> dict[int, tuple[float, ...]]:
+    """Each vLLM attention layer's (host key scale, host value scale, key scale tensor, value scale tensor), by
+    megatron layer number (vLLM's model.layers.N is N + 1)."""
+
+    def read(model):
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        return {
+            int(m.layer_name.split("layers.")[1].split(".")[0]) + 1: (
+                m._k_scale_float,
+                m._v_scale_float,
+                float(m._k_scale),
+                float(m._v_scale),
+            )
+            for m in model.modules()
+            if isinstance(m, Attention)
+        }
+
+    return vllm_engine.llm.apply_model(read)[0]
+
+
+def test_calibrated_kv_cache_scales_reach_vllms_attention_and_survive_weight_pushes(task, tiny_cfg, prompts):
+    """The trainer's per-layer scales (keys after rotary, as vLLM caches them) land where vLLM's loader puts a
+    checkpoint's k_scale / v_scale, are written again after a push (a reload resets them to 1), and the CPU
+    attention kernel reads them: scales 64x too small saturate the cache and wreck the log-probs."""
+    from fp8rl.models.kv_cache import kv_amax, kv_scales_from_amax, recording_kv_amax
+
+    model = peaked_policy(tiny_cfg, seed=0)
+    greedy = sampling_for(task, temperature=0.0)
+    unique_prompts = prompts[::GROUP_SIZE]
+
+    def mismatch_of(batch) -> float:
+        logp, _ = trainer_logprobs(model, batch, 1.0)
+        return masked_max_abs(logp, batch.rollout_logp, batch.response_mask)
+
+    kv = {"fp8_kv_cache": True, "kv_cache_scales": "calibrated", "max_num_seqs": 64}
+    with engine(model, tiny_cfg, task.tokenizer.pad_id, **kv) as fp8:
+        assert fp8.calibrates_kv_cache and fp8.kv_cache_keys == "post_rotary"
+        unit = fp8.generate(unique_prompts, greedy, None)
+        layers = kv_scales_in_engine(fp8)
+        assert sorted(layers) == list(range(1, tiny_cfg.num_layers + 1))
+        assert all(scales == (1.0, 1.0, 1.0, 1.0) for scales in layers.values())
+        with torch.no_grad(), recording_kv_amax(model, fp8.kv_cache_keys) as records:  # as Trainer._old_logprobs
+            trainer_logprobs(model, unit, 1.0)
+        scales = kv_scales_from_amax(sorted(records), kv_amax(records, unit.attention_mask))
+        fp8.set_kv_scales(scales)
+        calibrated = fp8.generate(unique_prompts, greedy, None)
+        seen = kv_scales_in_engine(fp8)
+        for layer, (k, v) in scales.items():
+            assert seen[layer][:2] == (k, v) and seen[layer][2:] == pytest.approx((k, v), rel=1e-6)
+        fp8.sync_weights(model)
+        again = fp8.generate(unique_prompts, greedy, None)
+        assert kv_scales_in_engine(fp8) == seen
+        assert torch.equal(again.response_ids, calibrated.response_ids)
+        assert torch.equal(again.rollout_logp, calibrated.rollout_logp)
+        fp8.set_kv_scales({layer: (k / 64, v / 64) for layer, (k, v) in scales.items()})
+        saturated = fp8.generate(unique_prompts, greedy, None)
+    assert mismatch_of(saturated) > 10 * max(mismatch_of(unit), mismatch_of(calibrated))
+    assert mismatch_of(calibrated) < 0.5  # a working FP8 cache: close to the fp32 trainer

