@@ -53,6 +53,7 @@ from fp8rl.algos.diagnostics import (
     ratio_quantile_metrics,
     rollout_mismatch_metrics,
     sign_contributions,
+    synthetic_class_drop_mask,
     synthetic_overclip_mask,
 )
 from fp8rl.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_loss, kl_penalty
@@ -119,6 +120,7 @@ __all__ = [
     "offpolicy_statistics",
     "rollout_mismatch_metrics",
     "sign_contributions",
+    "synthetic_class_drop_mask",
     "synthetic_overclip_mask",
     "solve_upper_bound",
     "standard_bounds",

@@ -288,3 +288,31 @@ def synthetic_overclip_mask(
     bound = torch.log(torch.tensor(float(clip_low), dtype=torch.float64)).item()
     log_ratio = at_least_float32(log_ratio.detach())
     return mask & (adv < 0) & (log_ratio > bound) & (log_ratio + noise.to(log_ratio.dtype) <= bound)
+
+
+@torch.no_grad()
+def synthetic_class_drop_mask(
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    in_class: torch.Tensor,
+    uniform: torch.Tensor,
+    share: float,
+    matched_other: bool = False,
+) -> torch.Tensor:
+    """Negative-advantage tokens whose gradient the junk organism's controls zero (results/studies/
+    2026-12-06-junk-organism.md): each A < 0 token of the class (`in_class`, bool) with probability `share`
+    (``uniform < share``); with `matched_other`, instead as many A < 0 tokens outside the class (all of them if
+    fewer), those with the smallest draws: the same count, untargeted. All inputs (batch, response_len) (``adv``
+    may be (batch,)), ``uniform`` U(0, 1) draws made by the caller. Returns a bool mask."""
+    mask = as_bool_mask(response_mask)
+    negative = mask & (expand_adv(adv, uniform) < 0)
+    chosen = negative & in_class & (uniform < share)
+    if not matched_other:
+        return chosen
+    others = negative & ~in_class
+    count = min(int(chosen.sum()), int(others.sum()))
+    out = torch.zeros_like(others)
+    if count:
+        keys = torch.where(others, uniform, torch.full_like(uniform, 2.0)).flatten()
+        out.view(-1)[torch.topk(keys, count, largest=False).indices] = True
+    return out

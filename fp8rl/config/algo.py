@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp8rl.config.fields import _require, option
+from fp8rl.config.fields import _one_of, _require, option
+
+SYNTHETIC_DROP_CLASSES = ("junk", "matched_other")  # clipping.synthetic_drop_class
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,18 @@ class ClippingConfig:
         "plus N(0, std^2) noise falls to log(clip low) or below, as FP8 noise of that size would do",
         neutral=(0.0,),
     )
+    synthetic_drop_neg: float = option(
+        0.0,
+        "ablation (the junk organism's controls), 0 = off: each negative-advantage token of synthetic_drop_class "
+        "loses its gradient with this probability, as over-clipping that targets it would do",
+        neutral=(0.0,),
+    )
+    synthetic_drop_class: str = option(
+        "junk",
+        "synthetic_drop_neg's target: junk (the task's junk tokens) or matched_other (as many non-junk "
+        "negative-advantage tokens, drawn uniformly, as the junk rule would drop: targeting vs count)",
+        neutral=("junk",),
+    )
 
     def __post_init__(self) -> None:
         _require(self.interval >= 1, f"clipping.interval={self.interval} must be >= 1")
@@ -114,6 +128,10 @@ class ClippingConfig:
             f"clipping.first_step={self.first_step} must be >= 0 (0 = the first step), or null for the interval",
         )
         _require(self.synthetic_overclip_std >= 0, "clipping.synthetic_overclip_std must be >= 0")
+        _require(
+            0 <= self.synthetic_drop_neg <= 1, f"clipping.synthetic_drop_neg={self.synthetic_drop_neg} not in [0, 1]"
+        )
+        _one_of(self.synthetic_drop_class, SYNTHETIC_DROP_CLASSES, "clipping.synthetic_drop_class")
         _require(0 <= self.ema < 1, f"clipping.ema={self.ema} must be in [0, 1)")
         _require(self.pool_neg_tokens >= 0, f"clipping.pool_neg_tokens={self.pool_neg_tokens} must be >= 0")
         _require(self.tis_cap > 0, f"clipping.tis_cap={self.tis_cap} must be > 0")

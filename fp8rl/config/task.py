@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from fp8rl.config.fields import _one_of, _require, option
 
+JUNK_GRADINGS = ("reject", "strip")  # task.junk_grading (chain)
+
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -45,6 +47,12 @@ class TaskConfig:
     junk_tokens: int = option(
         16, "chain: vocabulary tokens that no prompt or answer uses (mass can leak there)", neutral=(16,)
     )
+    junk_grading: str = option(
+        "reject",
+        "chain: reject (a response holding a junk letter earns 0) or strip (junk letters are removed before the "
+        "answer is graded, as a verifier reads past garbage: the junk organism)",
+        neutral=("reject",),
+    )
 
     def __post_init__(self) -> None:
         _require(self.num_train >= 1 and self.num_eval >= 1, "task.num_train and task.num_eval must be >= 1")
@@ -53,6 +61,7 @@ class TaskConfig:
             f"need 2 <= task.min_operands <= task.max_operands, got {self.min_operands}, {self.max_operands}",
         )
         _require(0 <= self.junk_tokens <= 26, f"task.junk_tokens={self.junk_tokens} must be in 0..26 (letters)")
+        _one_of(self.junk_grading, JUNK_GRADINGS, "task.junk_grading")
         _require(1 <= self.num_digits <= 9, f"task.num_digits={self.num_digits} must be in 1..9")
         object.__setattr__(self, "eval_sets", tuple(self.eval_sets))
 
@@ -95,6 +104,12 @@ class WarmStartConfig:
         neutral=(None,),
     )
     check_every: int = option(20, "steps between the accuracy checks of stop_accuracy", neutral=(20,))
+    junk_rate: float = option(
+        0.0,
+        "share of target tokens preceded by a random junk token of the task (chain: a letter), drawn afresh every "
+        "step: a start that samples a tail of garbage (the junk organism's labelled assumption); 0 = clean data",
+        neutral=(0.0,),
+    )
     shipped: bool = option(
         True,
         "use the warm start shipped in fp8rl/assets/warmstart when its key matches (the same weights on every CPU); "
@@ -108,5 +123,6 @@ class WarmStartConfig:
             self.stop_accuracy is None or 0 < self.stop_accuracy <= 1,
             f"warmstart.stop_accuracy={self.stop_accuracy} must be in (0, 1] or None",
         )
+        _require(0 <= self.junk_rate < 1, f"warmstart.junk_rate={self.junk_rate} must be in [0, 1)")
         _require(self.check_every >= 1, f"warmstart.check_every={self.check_every} must be >= 1")
         _one_of(self.precision, ("fp32", "bf16"), "warmstart.precision")

@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 
 from fp8rl import algos
-from fp8rl.config import AlgoConfig, ClippingConfig, PrecisionConfig, RunConfig, TaskConfig, to_dict
+from fp8rl.config import AlgoConfig, ClippingConfig, ConfigError, PrecisionConfig, RunConfig, TaskConfig, to_dict
 from fp8rl.models.config import ModelConfig, get_model_config, with_tokenizer_vocab
 from fp8rl.models.dims import ParallelDims
 from fp8rl.models.fp8_layers import set_fp8_amax_reduction, set_fp8_engine
@@ -34,6 +34,7 @@ from fp8rl.models.policy import Policy
 from fp8rl.models.policy import build_policy as build_policy_module
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.tasks import Task, build_task
+from fp8rl.tasks.base import junk_ids
 from fp8rl.trainer.loop import Parts
 from fp8rl.trainer.optim import TorchPolicyOptimizer, megatron_policy_optimizer
 from fp8rl.trainer.precision import PrecisionPlan, plan_precision
@@ -291,6 +292,15 @@ def prepare_task(cfg: RunConfig, layout: ParallelLayout) -> PreparedTask:
     dropped: dict[str, int] = {}
     if hasattr(task, "fit_prompts"):  # math: prompts of any length (the arithmetic tasks' are short by construction)
         dropped = task.fit_prompts(layout.max_seq_len)
+    for field_name, value in (
+        ("warmstart.junk_rate", cfg.warmstart.junk_rate),
+        ("clipping.synthetic_drop_neg", cfg.clipping.synthetic_drop_neg),
+    ):
+        if value and not junk_ids(task):
+            raise ConfigError(
+                f"{field_name}={value} acts on junk tokens, and task {cfg.task.name!r} has none: use task=chain "
+                f"(task.junk_tokens > 0), or set {field_name}=0"
+            )
     return PreparedTask(task, hf_folder, dropped)
 
 

@@ -24,7 +24,7 @@ from scipy import stats
 from fp8rl.report.surge import SurgeRule, detect_surge
 from fp8rl.tracking import store
 
-REDUCTIONS = ("last", "last3", "mean", "sum", "max", "min", "surge_ratio", "surged")
+REDUCTIONS = ("first", "last", "last3", "mean", "sum", "max", "min", "surge_ratio", "surged")
 # Means over a window of logged steps that each run's calibration schedule gives (`schedule_windows`).
 SCHEDULE_WINDOWS = ("mean_initial_bounds", "mean_calibrated_bounds", "mean_steps_2_to_k1", "mean_steps_from_k2")
 SEED_KEYS = ("trainer.seed", "sweep.trainer.seed", "seed")  # where a run's seed is found (param or tag)
@@ -177,7 +177,9 @@ def reduce_values(values: Sequence[float], reduce: str) -> float:
         surge = detect_surge(values, SURGE_RULE)
         return surge.ratio if reduce == "surge_ratio" else float(surge.surged)
     series = pd.Series(values, dtype=float)
-    return float(series.iloc[-1] if reduce == "last" else getattr(series, reduce)())
+    if reduce in ("first", "last"):
+        return float(series.iloc[0 if reduce == "first" else -1])
+    return float(getattr(series, reduce)())
 
 
 def run_seed(run: RunData) -> str:

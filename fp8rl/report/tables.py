@@ -74,6 +74,7 @@ TABLE_COLUMNS = (
 PAIRED_LABELS = (
     "acc (last 3 evals)",
     "acc, BF16 eval (last 3)",
+    "junk mass (probe, last 3)",
     "clip/low_neg (mean)",
     "clip/low_neg after 1st calibration",
     "clip/low_neg, steps K + 2 on",
@@ -113,12 +114,21 @@ WINDOW_NOTE = (
     "`steps 2 to K + 1` / `steps K + 2 on` depend on K alone. A bound `in force` at a step is the one the step "
     "before logged."
 )
-# Columns a table adds to TABLE_COLUMNS: the collapse study's junk rates (its task's own metric)
+# Columns a table adds to TABLE_COLUMNS: the collapse studies' junk rates (their task's own metric) and the junk
+# organism's probe (results/studies/2026-12-06-junk-organism.md)
+JUNK_RATES = (
+    Column("junk tokens (rollout, mean)", "rollout/junk_token_rate", "mean", "{:.4f}"),
+    Column("junk responses (rollout, mean)", "rollout/junk_response_rate", "mean", "{:.4f}"),
+)
+JUNK_PROBE = (
+    Column("junk mass (probe, step 0)", "eval/junk_mass", "first", "{:.5f}"),
+    Column("junk mass (probe, last 3)", "eval/junk_mass", "last3", "{:.5f}"),
+    Column("probe entropy (last 3)", "eval/probe_entropy", "last3", "{:.4f}"),
+    Column("A<0 gradients dropped (mean)", "clip/synthetic_overclip_neg", "mean", "{:.4f}"),
+)
 EXTRA_COLUMNS = {
-    "collapse": (
-        Column("junk tokens (rollout, mean)", "rollout/junk_token_rate", "mean", "{:.4f}"),
-        Column("junk responses (rollout, mean)", "rollout/junk_response_rate", "mean", "{:.4f}"),
-    ),
+    "collapse": JUNK_RATES,
+    "junk_gate": (*JUNK_RATES, *JUNK_PROBE),
     # the same steps for both schedules: 2 to K + 1 (at the standard bounds by default, calibrated with
     # first_step=0) and K + 2 on (calibrated in both)
     "ablation_first_calibration": tuple(

@@ -67,7 +67,9 @@ class Task(Protocol):
         ...
 
     # Optional: ``response_metrics(responses) -> {"rollout/...": float}``, the task's own statistics of a batch
-    # of responses (e.g. the chain task's junk-token rates), logged every step (`response_metrics` below).
+    # of responses (e.g. the chain task's junk-token rates), logged every step (`response_metrics` below);
+    # ``junk_ids``: token ids that are never right (the chain task's junk letters), which the junk organism's
+    # warm-start data, probe and controls use (`junk_ids` below).
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +140,11 @@ def response_metrics(task: Task, responses: Sequence[Sequence[int]]) -> dict[str
     """The task's own per-batch response statistics (its optional ``response_metrics``), else none."""
     own = getattr(task, "response_metrics", None)
     return dict(own(responses)) if own is not None else {}
+
+
+def junk_ids(task: Task) -> frozenset[int]:
+    """The task's junk token ids (its optional ``junk_ids``); empty for a task without them."""
+    return frozenset(getattr(task, "junk_ids", frozenset()))
 
 
 def garble_metrics(reasons: Sequence[str | None]) -> dict[str, float]:

@@ -8,8 +8,10 @@ carries ``task.junk_tokens`` letters that no prompt or answer ever uses, so prob
 that are never right.
 
 Reward 1 only for a parseable response (digits and commas forming ``n(,n)*`` before <eos>) whose last number
-is the sum; the intermediate sums are not graded (the warm start teaches them). ``response_metrics`` gives
-the junk rates (``rollout/junk_token_rate``: share of response tokens that are junk letters;
+is the sum; the intermediate sums are not graded (the warm start teaches them). ``task.junk_grading=strip`` (the
+junk organism, results/studies/2026-12-06-junk-organism.md) removes junk letters before parsing, as a verifier
+reads past garbage, so a right answer with junk in it earns 1; its responses get ``JUNK_SLACK`` more tokens.
+``response_metrics`` gives the junk rates (``rollout/junk_token_rate``: share of response tokens that are junk letters;
 ``rollout/junk_response_rate``: share of responses with at least one).
 """
 
@@ -29,6 +31,7 @@ DIGITS = "0123456789"
 ANSWER_CHARS = DIGITS + ","
 CHAIN_PATTERN = re.compile(r"[0-9]+(,[0-9]+)*")
 RESPONSE_SLACK = 2  # response limit = longest possible chain + <eos> + slack
+JUNK_SLACK = 8  # junk_grading=strip: room for junk letters beside a whole chain
 
 
 def junk_alphabet(count: int) -> str:
@@ -88,13 +91,22 @@ class ChainTask(CharTask):
         self.eval_problems: list[Problem] = problems[: cfg.num_eval]
         self.train_problems: list[Problem] = problems[cfg.num_eval :]
         self.eval_sets: dict[str, list[Problem]] = {HELDOUT: self.eval_problems}
-        self.max_response_tokens: int = longest_chain(cfg) + 1 + RESPONSE_SLACK
+        slack = RESPONSE_SLACK + (JUNK_SLACK if cfg.junk_grading == "strip" else 0)
+        self.max_response_tokens: int = longest_chain(cfg) + 1 + slack
         self._answer_ids = frozenset(self.tokenizer.encode(ANSWER_CHARS, add_bos=False))
         self._junk_ids = frozenset(self.tokenizer.encode(self.junk, add_bos=False)) if self.junk else frozenset()
 
+    @property
+    def junk_ids(self) -> frozenset[int]:
+        """The junk letters' token ids (never right)."""
+        return self._junk_ids
+
     def reward(self, problem: Problem, response_ids: Sequence[int]) -> float:
-        """1.0 iff <eos> came in time, the body parses as a chain and its last number is the sum."""
+        """1.0 iff <eos> came in time, the body (junk stripped first under junk_grading=strip) parses as a chain
+        and its last number is the sum."""
         body, has_eos = self.split_at_eos(response_ids)
+        if self.cfg.junk_grading == "strip":
+            body = [token for token in body if token not in self._junk_ids]
         if not has_eos or any(token not in self._answer_ids for token in body):
             return 0.0
         text = self.tokenizer.decode(body)

@@ -156,6 +156,9 @@ _EVAL_KEYS = {
 EVAL = {
     **{f"eval/{key}": meaning for key, meaning in _EVAL_KEYS.items()},
     **{f"eval/bf16/{key}": f"as eval/{key}, evaluated in BF16 (eval.bf16)" for key in _EVAL_KEYS},
+    "eval/junk_mass": "junk probe (tasks with junk tokens): the policy's probability on junk tokens at each position "
+    "of the clean reference answers of the first 256 held-out problems (teacher-forced, BF16), mean over positions",
+    "eval/probe_entropy": "junk probe: the policy's entropy (nats) at the same positions, mean over positions",
 }
 
 TRAIN = {

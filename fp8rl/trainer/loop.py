@@ -25,7 +25,7 @@ from fp8rl.models.policy import Policy, unwrapped
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.quant import DelayedScalingState
 from fp8rl.rollout.base import RolloutBatch, RolloutEngine
-from fp8rl.tasks.base import Task
+from fp8rl.tasks.base import Task, junk_ids
 from fp8rl.trainer.batch import (
     SHUFFLE_SALT,
     MicroBatch,
@@ -42,6 +42,7 @@ from fp8rl.trainer.shadow import ShadowComparison, ratio_histogram, sequence_key
 
 log = logging.getLogger(__name__)
 OVERCLIP_SALT = 4  # the synthetic over-clipping ablation's noise: seeded by (seed, step, update, rank)
+DROP_SALT = 5  # the junk organism's class-targeted removal draws: seeded by (seed, step, update, rank)
 
 
 @dataclass
@@ -219,8 +220,9 @@ class RLTrainer:
                     ratio_ref = shadow.bf16_ratio(mb, rows)
                 reference = None if reference_logp is None else reference_logp[rows]
                 noise = self._overclip_noise(step, updates_done, old_logp[rows])
+                dropped = self._dropped_negatives(step, updates_done, mb, mb_mask, data.adv[rows])
                 metrics, logp, good = self.minibatch_update(
-                    mb, mb_mask, old_logp[rows], data.adv[rows], ratio_ref, reference, noise
+                    mb, mb_mask, old_logp[rows], data.adv[rows], ratio_ref, reference, noise, dropped
                 )
                 if ratio_ref is not None and good:
                     keys = sequence_keys(mb.response_ids, mb_mask)
@@ -241,12 +243,26 @@ class RLTrainer:
         gen = step_generator(self.cfg.trainer.seed, step * 1009 + update * 31 + self.dims.dp_rank, OVERCLIP_SALT)
         return (torch.randn(old_logp.shape, generator=gen, dtype=torch.float32) * std).to(old_logp.device)
 
-    def minibatch_update(self, mb, mask, old_logp, adv, ratio_ref, reference_logp, overclip_noise=None):
+    def _dropped_negatives(self, step: int, update: int, mb: RolloutBatch, mask, adv) -> torch.Tensor | None:
+        """The junk organism's class-targeted removal (``clipping.synthetic_drop_neg``): the negative-advantage
+        tokens whose gradient this mini-batch zeroes, (rows, response_len) bool; None when it is off."""
+        c = self.cfg.clipping
+        if not c.synthetic_drop_neg:
+            return None
+        gen = step_generator(self.cfg.trainer.seed, step * 1009 + update * 31 + self.dims.dp_rank, DROP_SALT)
+        uniform = torch.rand(mb.response_ids.shape, generator=gen).to(mb.response_ids.device)
+        junk = torch.tensor(sorted(junk_ids(self.task)), device=mb.response_ids.device)
+        in_class = torch.isin(mb.response_ids, junk)
+        matched = c.synthetic_drop_class == "matched_other"
+        return algos.synthetic_class_drop_mask(adv, mask, in_class, uniform, c.synthetic_drop_neg, matched)
+
+    def minibatch_update(self, mb, mask, old_logp, adv, ratio_ref, reference_logp, overclip_noise=None, dropped=None):
         """One optimizer step on this rank's share of a mini-batch, with the loss normalised over the whole
-        global mini-batch. Returns (metrics, detached log-probs (rows, response_len), whether it was applied)."""
+        global mini-batch; `dropped`: tokens whose gradient is zeroed (an ablation). Returns (metrics, detached
+        log-probs (rows, response_len), whether it was applied)."""
         correction = self.objective.correct(old_logp, mb.rollout_logp, mask)  # once per mini-batch
         denominator = float(self.dims.sum(torch.tensor(self.objective.count(correction), dtype=torch.float64)))
-        tokens = algos.TokenBatch(old_logp, adv, mask, correction, reference_logp)
+        tokens = algos.TokenBatch(old_logp, adv, mask, correction, reference_logp, dropped)
         micro = micro_batches(mb, tokens, self.parts.micro_batch_size, overclip_noise)
         loss_fn = partial(self._loss, denominator=denominator)
         self.parts.optimizer.zero_grad()
@@ -284,6 +300,8 @@ class RLTrainer:
         if mb.overclip_noise is not None:  # the positive control's synthetic over-clipping (an ablation)
             log_ratio = logp.detach().float() - tokens.old_logp.float()
             zeroed = algos.synthetic_overclip_mask(log_ratio, tokens.adv, tokens.mask, mb.overclip_noise, bounds[0])
+            if tokens.grad_zero_mask is not None:
+                zeroed = zeroed | tokens.grad_zero_mask
             tokens = dataclasses.replace(tokens, grad_zero_mask=zeroed)
         loss, metrics = self.objective(logp, entropy, tokens, bounds, denominator)
         # The loss is this rank's share of the global loss; Megatron DDP averages gradients over DP ranks.

@@ -1,7 +1,9 @@
 """Supervised warm start: make the base policy partly right, so RL has reward signal from step one.
 
 Teacher forcing on ``<bos> prompt | answer <eos>`` with the cross-entropy on the answer and <eos>
-tokens only, in the RL batch layout (prompts left-padded, targets right-padded). The result is cached
+tokens only, in the RL batch layout (prompts left-padded, targets right-padded). With ``warmstart.junk_rate``
+each target token is preceded, with that probability, by one of the task's junk tokens (`JunkNoise`), drawn
+afresh every step: the junk organism's start that samples a tail of garbage. The result is cached
 under a hash of everything that determines it (model config with its resolved vocabulary, task
 config, warm-start config, a format version), so a sweep trains it once; files are written to a
 temporary name and renamed, so a reader never sees a half-written checkpoint.
@@ -39,12 +41,13 @@ from fp8rl.models.generate import generate
 from fp8rl.models.gpt import build_gpt_model, compute_precision
 from fp8rl.models.logprobs import forward_logits, left_pad
 from fp8rl.models.sampling import SamplingConfig
-from fp8rl.tasks.base import Problem, Task, garble_metrics
+from fp8rl.tasks.base import Problem, Task, garble_metrics, junk_ids
 from fp8rl.tracking.provenance import cpu_info
 
 # Bump when the training recipe or the file layout changes meaning. 3: the key is the run hash's view of the task
 # and warm-start sections (`identity.hashed_fields`); format 2 kept its own list of added fields.
 CACHE_FORMAT_VERSION = 3
+JUNK_SALT = 7919  # the junk insertions' generator: seeded by warmstart.seed + this
 
 
 @dataclass(frozen=True)
@@ -77,14 +80,49 @@ def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, 
     return ids, mask
 
 
-def teacher_forcing_batch(task: Task, problems: Sequence[Problem]) -> tuple[Tensor, Tensor, Tensor]:
+@dataclass
+class JunkNoise:
+    """Junk tokens inserted into warm-start targets: before each target token, with probability `rate`, one of
+    `ids` drawn uniformly, from `generator` (so a warm start's data is fixed by its seed)."""
+
+    ids: Sequence[int]
+    rate: float
+    generator: torch.Generator
+
+    def __call__(self, target: Sequence[int]) -> list[int]:
+        inserted = torch.rand(len(target), generator=self.generator) < self.rate
+        picks = torch.randint(len(self.ids), (len(target),), generator=self.generator)
+        out: list[int] = []
+        for token, insert, pick in zip(target, inserted.tolist(), picks.tolist(), strict=True):
+            out += [self.ids[pick], token] if insert else [token]
+        return out
+
+
+def junk_noise(task: Task, ws_cfg: WarmStartConfig) -> JunkNoise | None:
+    """The warm start's junk insertions (None at ``junk_rate=0``); a task without junk tokens is refused."""
+    if not ws_cfg.junk_rate:
+        return None
+    ids = sorted(junk_ids(task))
+    if not ids:
+        raise ValueError(
+            f"warmstart.junk_rate={ws_cfg.junk_rate} needs a task with junk tokens (task=chain with task.junk_tokens "
+            f"> 0); task {task.name!r} has none: set warmstart.junk_rate=0"
+        )
+    return JunkNoise(ids, ws_cfg.junk_rate, torch.Generator().manual_seed(ws_cfg.seed + JUNK_SALT))
+
+
+def teacher_forcing_batch(
+    task: Task, problems: Sequence[Problem], junk: JunkNoise | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """``[left-padded prompt | right-padded answer+eos]`` -> (input_ids, attention_mask, loss_mask), each (b, s).
 
-    loss_mask is 1 on the answer and <eos> tokens (the tokens to predict), 0 elsewhere.
+    loss_mask is 1 on the answer and <eos> tokens (the tokens to predict), 0 elsewhere; `junk` inserts junk
+    tokens into the targets.
     """
     pad_id = task.tokenizer.pad_id
     prompt_ids, prompt_mask = left_pad([task.prompt_ids(p) for p in problems], pad_id)
-    target_ids, target_mask = right_pad([task.target_ids(p) for p in problems], pad_id)
+    targets = [task.target_ids(p) for p in problems]
+    target_ids, target_mask = right_pad([junk(t) for t in targets] if junk else targets, pad_id)
     input_ids = torch.cat([prompt_ids, target_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, target_mask], dim=1)
     loss_mask = torch.cat([torch.zeros_like(prompt_mask), target_mask], dim=1)
@@ -141,6 +179,7 @@ def train_warmstart(
     """Train a fresh model for ``ws_cfg.steps`` steps; ``on_step(step, loss, model)`` is called after each one.
     With ``ws_cfg.stop_accuracy`` set, training stops at the first check (every ``check_every`` steps) whose
     greedy held-out accuracy reaches it; the model's ``warmstart_trace`` attribute lists the checks."""
+    junk = junk_noise(task, ws_cfg)
     model = build_gpt_model(with_tokenizer_vocab(model_cfg, task.tokenizer.vocab_size), seed=ws_cfg.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws_cfg.lr, weight_decay=ws_cfg.weight_decay)
@@ -150,7 +189,7 @@ def train_warmstart(
     started = time.perf_counter()
     for step in range(ws_cfg.steps):
         picks = torch.randint(len(problems), (ws_cfg.batch_size,), generator=sampler).tolist()
-        loss = warmstart_step(model, optimizer, task, [problems[i] for i in picks], ws_cfg)
+        loss = warmstart_step(model, optimizer, task, [problems[i] for i in picks], ws_cfg, junk)
         if on_step is not None:
             on_step(step, loss.item(), model)
         if (step + 1) % PROGRESS_EVERY == 0 or step + 1 == ws_cfg.steps:
@@ -164,12 +203,17 @@ def train_warmstart(
 
 
 def warmstart_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, task: Task, problems: Sequence[Problem], ws_cfg
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    task: Task,
+    problems: Sequence[Problem],
+    ws_cfg,
+    junk: JunkNoise | None = None,
 ) -> Tensor:
-    """One supervised step on `problems`; the batch goes to the model's device (a GPU host builds the model on
-    CUDA). Returns the loss."""
+    """One supervised step on `problems` (targets with `junk` inserted); the batch goes to the model's device (a
+    GPU host builds the model on CUDA). Returns the loss."""
     device = next(model.parameters()).device
-    batch = [t.to(device) for t in teacher_forcing_batch(task, problems)]
+    batch = [t.to(device) for t in teacher_forcing_batch(task, problems, junk)]
     with compute_precision(ws_cfg.precision):
         loss = answer_loss(model, *batch)
     optimizer.zero_grad(set_to_none=True)

@@ -349,3 +349,25 @@ def test_options_are_bound_once_and_unknown_ones_refused_before_a_call():
     assert dual.agg == "token-mean" and dict(dual.options) == {}  # the registered entry is left as it was
     with pytest.raises(TypeError, match="takes no option dual_clip_c"):
         get_policy_loss("cispo").configured(dual_clip_c=3.0)
+
+
+def test_the_class_targeted_removal_drops_negative_junk_at_its_share_or_as_many_other_tokens():
+    """The junk organism's controls: share 1 drops every A < 0 junk token (and nothing else); matched_other drops
+    the same count of A < 0 non-junk tokens; positive-advantage and masked tokens are never dropped."""
+    from fp8rl.algos import synthetic_class_drop_mask
+
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
+    junk = torch.tensor([[True, False, False, True], [False, True, False, True], [True, True, False, False]])
+    uniform = torch.tensor([[0.1, 0.5, 0.2, 0.7], [0.3, 0.4, 0.05, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    every = synthetic_class_drop_mask(adv, mask, junk, uniform, 1.0)
+    assert every.tolist() == [[True, False, False, True], [False, True, False, False], [False] * 4]
+    some = synthetic_class_drop_mask(adv, mask, junk, uniform, 0.5)
+    assert some.tolist() == [[True, False, False, False], [False, True, False, False], [False] * 4]
+    matched = synthetic_class_drop_mask(adv, mask, junk, uniform, 1.0, matched_other=True)
+    assert int(matched.sum()) == int(every.sum()) == 3
+    assert not (matched & junk).any() and not matched[2].any() and not matched[1, 3]
+    # the A < 0 non-junk tokens with the smallest draws: 0.05, 0.2, 0.3 (not 0.5)
+    assert matched.tolist() == [[False, False, True, False], [True, False, True, False], [False] * 4]
+    none = synthetic_class_drop_mask(adv, mask, junk, uniform, 0.0, matched_other=True)
+    assert not none.any()

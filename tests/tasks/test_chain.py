@@ -83,3 +83,20 @@ def test_garble_reasons_and_junk_rates(task):
 def test_chain_answer():
     assert chain_answer([12, 34, 56]) == "46,102"
     assert chain_answer([3, 9, 4, 8]) == "12,16,24"
+
+
+def test_strip_grading_reads_past_junk_as_a_verifier_does_and_reject_does_not():
+    """The junk organism's reward (task.junk_grading=strip): junk letters are removed before the chain is parsed,
+    so junk in a right answer is not penalised by the reward; the default rejects it."""
+    reject, strip = build_task(chain_cfg()), build_task(chain_cfg(junk_grading="strip"))
+    problem = next(p for p in reject.train_problems if len(p.answer.split(",")) >= 3)
+    clean = response(reject, problem.answer)
+    junky = response(reject, "a" + problem.answer[:2] + "bp" + problem.answer[2:])
+    wrong = response(reject, "c" + problem.answer + "1")
+    assert reject.reward(problem, clean) == strip.reward(problem, clean) == 1.0
+    assert (reject.reward(problem, junky), strip.reward(problem, junky)) == (0.0, 1.0)
+    assert reject.reward(problem, wrong) == strip.reward(problem, wrong) == 0.0
+    assert strip.max_response_tokens == reject.max_response_tokens + 8  # room for junk beside a whole chain
+    assert strip.junk_ids == frozenset(reject.tokenizer.encode(junk_alphabet(16), add_bos=False))
+    with pytest.raises(ConfigError, match="task.junk_grading='lenient' is not valid"):
+        chain_cfg(junk_grading="lenient")

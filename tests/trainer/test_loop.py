@@ -314,3 +314,39 @@ def test_a_calibrated_fp8_kv_cache_takes_each_steps_scales_and_keeps_them_across
     assert fresh.engine.kv_scales == scales
     unit = build_trainer(with_overrides(small_cfg, {**arm, "precision.kv_cache_scales": "unit"}))
     assert not unit.engine.calibrates_kv_cache
+
+
+JUNK_ORGANISM = {  # results/studies/2026-12-06-junk-organism.md, at the suite's small size
+    "task.name": "chain",
+    "task.num_digits": 1,
+    "task.num_train": 1000,
+    "task.junk_grading": "strip",
+    "warmstart.junk_rate": 0.3,  # far above the study's 0.02: junk in every small batch
+}
+
+
+@pytest.mark.parametrize("drop_class", ["junk", "matched_other"])
+def test_the_junk_organisms_control_drops_negative_gradients_of_its_class(small_cfg: RunConfig, drop_class: str):
+    """clipping.synthetic_drop_neg=1 zeroes the gradient of every negative-advantage junk token (matched_other:
+    of as many other tokens); the junk probe reads the policy's junk mass on clean answers."""
+    control = {"clipping.synthetic_drop_neg": 1.0, "clipping.synthetic_drop_class": drop_class}
+    trainer = build_trainer(with_overrides(small_cfg, {**JUNK_ORGANISM, **control}))
+    data = trainer.sampler.collect(0)
+    junk = torch.isin(data.rollout.response_ids, torch.tensor(sorted(trainer.task.junk_ids)))
+    rows = data.adv.shape[0]
+    data.adv = torch.randn(rows, generator=torch.Generator().manual_seed(7))  # negative advantages to act on
+    negative_junk = junk & data.loss_mask.bool() & (data.adv[:, None] < 0)
+    assert negative_junk.any()  # precondition: the junk-rich start samples junk
+    trainer.sampler.collect = lambda step: data
+    metrics = trainer.train_step(0).metrics
+    negatives = (data.loss_mask.bool() & (data.adv[:, None] < 0)).sum()
+    expected = float(negative_junk.sum() / negatives)  # the same count either way (each mini-batch has others)
+    assert metrics["clip/synthetic_overclip_neg"] == pytest.approx(expected, rel=0.5)
+    probe = trainer.evaluate()
+    assert 0 < probe["eval/junk_mass"] < 1 and probe["eval/probe_entropy"] > 0
+
+
+def test_junk_ablations_are_refused_on_a_task_without_junk_before_anything_is_built(small_cfg: RunConfig):
+    for field in ("warmstart.junk_rate", "clipping.synthetic_drop_neg"):
+        with pytest.raises(ConfigError, match=f"{field}=0.5 acts on junk tokens, and task 'arithmetic' has none"):
+            build_trainer(with_overrides(small_cfg, {field: 0.5}))

@@ -217,3 +217,24 @@ def test_a_damaged_shipped_warm_start_is_an_error_not_another_start(tmp_path: Pa
     metadata.write_text('{"key": "0123456789abcdef", "sha256": "00"}')
     with pytest.raises(RuntimeError, match="git checkout -- fp8rl/assets/warmstart"):
         ws.shipped_warmstart("0123456789abcdef", tmp_path)
+
+
+def test_junk_noise_puts_junk_before_target_tokens_at_its_rate_from_the_seed() -> None:
+    """warmstart.junk_rate: each target token is preceded by a junk token with that probability; the draws are
+    fixed by the warm start's seed, and a task without junk tokens is refused."""
+    chain = build_task(TaskConfig(name="chain", num_digits=1, num_train=500, num_eval=16))
+    cfg = WarmStartConfig(junk_rate=0.2, seed=3)
+    noise, again = ws.junk_noise(chain, cfg), ws.junk_noise(chain, cfg)
+    targets = [chain.target_ids(p) for p in chain.train_problems]
+    noisy = [noise(t) for t in targets]
+    assert noisy == [again(t) for t in targets]
+    junk = chain.junk_ids
+    inserted = sum(token in junk for row in noisy for token in row)
+    assert inserted == sum(len(n) - len(t) for n, t in zip(noisy, targets, strict=True))  # one junk per insertion
+    assert [[t for t in row if t not in junk] for row in noisy] == targets  # the clean target, in order
+    assert inserted / sum(map(len, targets)) == pytest.approx(0.2, abs=0.015)  # 3 sd of 7886 Bernoulli(0.2) draws
+    assert ws.junk_noise(chain, WarmStartConfig()) is None
+    with pytest.raises(ValueError, match="needs a task with junk tokens"):
+        ws.junk_noise(build_task(TASK_CFG), cfg)
+    ids, _, loss_mask = teacher_forcing_batch(chain, chain.train_problems[:4], noise)
+    assert loss_mask.sum() >= sum(len(t) for t in targets[:4])
