@@ -33,7 +33,7 @@ REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):.*## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-18s %s\n", $$1, $$2}'
 
-.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-bundle gpu-check collapse collapse-pilot collapse-control
+.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-bundle gpu-check collapse collapse-pilot collapse-control junk-gate
 
 setup: $(STAMP)  ## the venv with torch (CPU) and fp8rl[dev,bench]; every target runs it (idempotent)
 
@@ -175,6 +175,14 @@ collapse: collapse-pilot collapse-control  ## the collapse study (pilot, control
 	if [ $$status -eq 3 ]; then exit 0; elif [ $$status -ne 0 ]; then exit $$status; fi; \
 	for seed in $(subst $(comma), ,$(COLLAPSE_SEEDS)); do $(COLLAPSE) trainer.seed=$$seed || exit 1; done; \
 	$(REPORT) table collapse && $(COLLAPSE_REPORT) verdict
+
+# The junk organism (design and pre-registered gate in results/studies/2026-12-06-junk-organism.md): chains graded
+# after junk is stripped, a warm start with 2% junk; its gate runs BF16 and the positive control side by side on
+# one thread each. `junk_organism gate --stop` exits 3 when the control does not reach its rule (the study stops).
+junk-gate: setup  ## junk organism: the gate (BF16 vs BF16 without negative junk gradients)
+	$(VENV)/bin/fp8rl sweep junk_gate --launcher local --scale tiny --max-parallel 2 trainer.threads=1 $(SWEEP_ARGS)
+	$(REPORT) table junk_gate
+	$(PY) -m fp8rl.studies.junk_organism gate --scale tiny --out results/tiny
 
 reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures  ## every table and figure of results/<scale>/
 	$(REPORT) index

@@ -9,7 +9,7 @@
         --group-by recipe,clipping --out results/grpo_granularity
     fp8rl experiments                                           # what sweeps/experiment/ holds
     fp8rl report table grpo_granularity                         # a table / figures of results/<scale>/
-    fp8rl study mechanism                                       # a study: mechanism, collapse, kernel-spread
+    fp8rl study mechanism                                       # a study: mechanism, collapse, kernel-spread, ...
     fp8rl docs                                                  # regenerate the generated docs tables
 """
 
@@ -86,6 +86,7 @@ STUDIES = {
     "mechanism": "fp8rl.studies.mechanism",
     "collapse": "fp8rl.studies.collapse",
     "kernel-spread": "fp8rl.studies.kernel_spread",
+    "junk-organism": "fp8rl.studies.junk_organism",
 }
 GENERATED_DOCS = ("docs/configuration.md", "docs/metrics.md")
 

@@ -28,8 +28,9 @@ EXPECTED = {  # experiment -> (points, axes); the tables' files carry their seed
     "ablation_first_calibration": (9, ARM_SEED),
     "fp8_rollout_baseline": (4, ["precision", "clipping"]),
     "collapse": (3, ["+experiment/arm"]),
+    "junk_gate": (2, ARM_SEED),
 }
-CPU_STUDIES = {"collapse"}  # CPU-scale studies (their own task and model): no paper-scale form
+CPU_STUDIES = {"collapse", "junk_gate"}  # CPU-scale studies (their own task and model): no paper-scale form
 PAPER_MODELS = {"dapo_table": "qwen3_14b"}
 URI = "sqlite:///unused.db"
 
