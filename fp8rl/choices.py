@@ -18,6 +18,7 @@ from fp8rl.algos import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
     ROLLOUT_CORRECTIONS,
+    get_clip_bound_policy,
 )
 from fp8rl.config import ConfigError, RunConfig
 from fp8rl.models.config import model_preset_names
@@ -67,6 +68,9 @@ def check_choices(cfg: RunConfig) -> None:
             f"model.preset={cfg.model.preset} is a GPU-scale model: on CPU use model.preset=tiny (or model.hf_path=<a "
             "small checkpoint>), or set model.device=cuda"
         )
+    errors = get_clip_bound_policy(cfg.clipping.policy).config_errors(cfg.algo, cfg.clipping, cfg.precision)
+    if errors:
+        raise ConfigError(errors[0])
     try:
         check_task_config(cfg.task)
         if cfg.precision.mode != "bf16":

@@ -111,14 +111,15 @@ def _compared_strings(path: Path) -> set[str]:
 
 def test_the_run_path_never_switches_on_a_registered_name() -> None:
     """Registries answer what an entry needs (its options, whether it calibrates); the trainer and the job do not
-    compare a config's value with a registered name (the four such switches of issue 24 are gone)."""
+    compare a config's value with a registered name, nor do the config's own cross-section rules (the four such
+    switches of issue 24 are gone; a policy's requirements are its `config_errors`)."""
     from fp8rl import algos
 
     registered = set()
     for registry in (algos.POLICY_LOSSES, algos.ADVANTAGE_ESTIMATORS, algos.CLIP_BOUND_POLICIES, algos.KL_ESTIMATORS):
         registered.update(registry.names())
     registered -= {"none"}  # "none" is a value (no correction), not a switch on an entry
-    for folder in ("trainer", "job"):
+    for folder in ("trainer", "job", "config"):
         for path in (PACKAGE / folder).rglob("*.py"):
             switches = _compared_strings(path) & registered
             assert not switches, f"fp8rl/{path.relative_to(PACKAGE)} compares with registered names {switches}"

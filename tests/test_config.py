@@ -48,7 +48,7 @@ SWEEPS = ROOT / "sweeps"
 )
 def test_invalid_combinations_raise_with_advice(changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
-        with_overrides(RunConfig(), changes)
+        validated(with_overrides(RunConfig(), changes))
 
 
 @pytest.mark.parametrize(

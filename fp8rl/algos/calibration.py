@@ -290,6 +290,11 @@ class ClipBoundPolicy(Protocol):
 
     calibrates: bool  # whether it calibrates on the BF16 shadow (else its bounds are fixed)
 
+    @classmethod
+    def config_errors(cls, algo: Any, clipping: Any, precision: Any) -> list[str]:
+        """What a run's sections must change for this policy, in words (empty: nothing)."""
+        ...
+
     @property
     def bounds(self) -> ClipBounds: ...
 
@@ -339,6 +344,10 @@ class StandardClipBounds:
     def from_config(cls, algo: Any, clipping: Any) -> StandardClipBounds:
         """From a run's ``algo`` and ``clipping`` sections (``fp8rl.config``)."""
         return cls(eps_low=algo.eps_low, eps_high=algo.eps_high)
+
+    @classmethod
+    def config_errors(cls, algo: Any, clipping: Any, precision: Any) -> list[str]:
+        return []
 
     @property
     def bounds(self) -> ClipBounds:
@@ -400,6 +409,21 @@ class CalibratedClipBounds:
     _last: dict[str, float] = field(init=False, repr=False)
     _window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
     calibrates: ClassVar[bool] = True
+
+    @classmethod
+    def config_errors(cls, algo: Any, clipping: Any, precision: Any) -> list[str]:
+        """It compares FP8 trainer ratios with the BF16 shadow's after an update."""
+        errors = []
+        if precision.mode != "fp8_full":
+            errors.append(
+                "clipping.policy=calibrated aligns FP8 trainer ratios with BF16 ones: it needs precision.mode=fp8_full"
+            )
+        if algo.num_minibatches * algo.ppo_epochs < 2:
+            errors.append(
+                "clipping.policy=calibrated compares ratios after an update: set algo.num_minibatches >= 2 "
+                "or algo.ppo_epochs >= 2"
+            )
+        return errors
 
     @classmethod
     def from_config(cls, algo: Any, clipping: Any) -> CalibratedClipBounds:

@@ -43,16 +43,6 @@ def check_combinations(cfg: RunConfig) -> None:
     bounds = f"clipping.init_low={low}, init_high={high}"
     _require(0 < low < 1 < high, f"clip bounds must satisfy 0 < low < 1 < high, got {bounds}")
     updates = a.num_minibatches * a.ppo_epochs
-    if c.policy == "calibrated":
-        _require(
-            p.mode == "fp8_full",
-            "clipping.policy=calibrated aligns FP8 trainer ratios with BF16 ones: it needs precision.mode=fp8_full",
-        )
-        _require(
-            updates >= 2,
-            "clipping.policy=calibrated compares ratios after an update: set algo.num_minibatches >= 2 "
-            "or algo.ppo_epochs >= 2",
-        )
     _require(
         not cfg.trainer.shadow_every or updates >= 2,
         "trainer.shadow_every compares ratios after an update: set algo.num_minibatches >= 2",

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from fp8rl import algos
+from fp8rl.choices import validated
 from fp8rl.config import ConfigError, RunConfig, flatten, to_dict
 from fp8rl.identity import config_hash, default_run_name, run_dir
 from fp8rl.job import signals
@@ -75,7 +76,8 @@ def run_job(
 def _run(cfg, env: DistEnv, tracker, stop_after, hydra_dir, submitted_at) -> RunSummary:
     out_dir = run_dir(cfg)
     layout = run_layout(cfg, env.world_size)
-    check_environment(cfg)  # refusals first: a bad config leaves no run folder behind
+    validated(cfg)  # refusals first (the registries' rules, then the machine's): no run folder behind
+    check_environment(cfg)
     prepared = prepare_task(cfg, layout)  # and bad data: files read and checked, prompts fitted, sets not empty
     with contextlib.ExitStack() as held:
         refusal = None
@@ -164,6 +166,7 @@ def build_trainer(cfg: RunConfig) -> RLTrainer:
     apply_process_settings(cfg.trainer)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     layout = run_layout(cfg, world_size)
+    validated(cfg)
     check_environment(cfg)
     init_megatron(layout.tensor_parallel, layout.pipeline_parallel, seed=cfg.warmstart.seed)
     parts, _ = build_parts(cfg, ParallelDims.current(layout), _device(cfg))
