@@ -27,6 +27,8 @@ TABLE_EXPERIMENTS = (
     "ablation_first_calibration",
     "stress_outliers",
     "collapse",
+    "junk_gate",
+    "junk_dose",
 )
 
 
