@@ -129,6 +129,7 @@ JUNK_PROBE = (
 EXTRA_COLUMNS = {
     "collapse": JUNK_RATES,
     "junk_gate": (*JUNK_RATES, *JUNK_PROBE),
+    "junk_dose": (*JUNK_RATES, *JUNK_PROBE),
     # the same steps for both schedules: 2 to K + 1 (at the standard bounds by default, calibrated with
     # first_step=0) and K + 2 on (calibrated in both)
     "ablation_first_calibration": tuple(

@@ -29,8 +29,10 @@ EXPECTED = {  # experiment -> (points, axes); the tables' files carry their seed
     "fp8_rollout_baseline": (4, ["precision", "clipping"]),
     "collapse": (3, ["+experiment/arm"]),
     "junk_gate": (2, ARM_SEED),
+    "junk_dose": (15, ARM_SEED),
 }
-CPU_STUDIES = {"collapse", "junk_gate"}  # CPU-scale studies (their own task and model): no paper-scale form
+# CPU-scale studies (their own task and model): no paper-scale form
+CPU_STUDIES = {"collapse", "junk_gate", "junk_dose"}
 PAPER_MODELS = {"dapo_table": "qwen3_14b"}
 URI = "sqlite:///unused.db"
 
