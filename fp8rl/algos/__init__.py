@@ -42,6 +42,7 @@ from fp8rl.algos.corrections import (
 from fp8rl.algos.dapo import GroupFilter, filter_uniform_groups, overlong_penalty
 from fp8rl.algos.diagnostics import (
     RATIO_QUANTILES,
+    class_overclip_metrics,
     clip_fraction_metrics,
     clip_overlap_metrics,
     contribution_metrics,
@@ -111,6 +112,7 @@ __all__ = [
     "masked_quantiles",
     "metrics_to_floats",
     "clip_overlap_metrics",
+    "class_overclip_metrics",
     "overclip_metrics",
     "overlong_penalty",
     "ratio_quantile_metrics",

@@ -105,6 +105,30 @@ def ratio_quantile_metrics(ratio: torch.Tensor, response_mask: torch.Tensor, pre
 
 
 @torch.no_grad()
+def class_overclip_metrics(
+    ratio_ref: torch.Tensor,
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    low: float,
+    ref_low: float,
+    in_class: torch.Tensor,
+    name: str,
+) -> Metrics:
+    """`overclip_metrics`' lower-bound pair within one token class (``in_class``, bool), as FP8's dose on it:
+    ``clip/overclip_neg_<name>`` (clipped in FP8, not in BF16) and ``clip/underclip_neg_<name>`` (the reverse),
+    each / #{A < 0 tokens of the class}; ``clip/neg_share_<name>``: the class's share of the A < 0 tokens."""
+    mask = as_bool_mask(response_mask)
+    negative = mask & (expand_adv(adv, ratio) < 0)
+    fp8_low, ref_low_hit = ratio <= low, ratio_ref <= ref_low
+    of_class = negative & in_class
+    return {
+        f"clip/overclip_neg_{name}": masked_fraction(fp8_low & ~ref_low_hit, of_class),
+        f"clip/underclip_neg_{name}": masked_fraction(~fp8_low & ref_low_hit, of_class),
+        f"clip/neg_share_{name}": masked_fraction(in_class, negative),
+    }
+
+
 def overclip_metrics(
     ratio_ref: torch.Tensor,
     ratio: torch.Tensor,

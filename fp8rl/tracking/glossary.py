@@ -159,6 +159,11 @@ EVAL = {
     "eval/junk_mass": "junk probe (tasks with junk tokens): the policy's probability on junk tokens at each position "
     "of the clean reference answers of the first 256 held-out problems (teacher-forced, BF16), mean over positions",
     "eval/probe_entropy": "junk probe: the policy's entropy (nats) at the same positions, mean over positions",
+    "clip/overclip_neg_junk": "shadow update (tasks with junk tokens): negative-advantage junk tokens clipped in FP8 "
+    "but not in BF16, / A<0 junk tokens: FP8's dose on junk",
+    "clip/underclip_neg_junk": "shadow update: negative-advantage junk tokens clipped in BF16 but not in FP8, / A<0 "
+    "junk tokens",
+    "clip/neg_share_junk": "shadow update: junk tokens' share of the negative-advantage tokens",
 }
 
 TRAIN = {

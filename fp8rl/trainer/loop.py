@@ -243,6 +243,13 @@ class RLTrainer:
         gen = step_generator(self.cfg.trainer.seed, step * 1009 + update * 31 + self.dims.dp_rank, OVERCLIP_SALT)
         return (torch.randn(old_logp.shape, generator=gen, dtype=torch.float32) * std).to(old_logp.device)
 
+    def _junk_tokens(self, response_ids: torch.Tensor) -> torch.Tensor | None:
+        """Where `response_ids` holds the task's junk tokens (bool), None for a task without them."""
+        junk = junk_ids(self.task)
+        if not junk:
+            return None
+        return torch.isin(response_ids, torch.tensor(sorted(junk), device=response_ids.device))
+
     def _dropped_negatives(self, step: int, update: int, mb: RolloutBatch, mask, adv) -> torch.Tensor | None:
         """The junk organism's class-targeted removal (``clipping.synthetic_drop_neg``): the negative-advantage
         tokens whose gradient this mini-batch zeroes, (rows, response_len) bool; None when it is off."""
@@ -251,8 +258,7 @@ class RLTrainer:
             return None
         gen = step_generator(self.cfg.trainer.seed, step * 1009 + update * 31 + self.dims.dp_rank, DROP_SALT)
         uniform = torch.rand(mb.response_ids.shape, generator=gen).to(mb.response_ids.device)
-        junk = torch.tensor(sorted(junk_ids(self.task)), device=mb.response_ids.device)
-        in_class = torch.isin(mb.response_ids, junk)
+        in_class = self._junk_tokens(mb.response_ids)
         matched = c.synthetic_drop_class == "matched_other"
         return algos.synthetic_class_drop_mask(adv, mask, in_class, uniform, c.synthetic_drop_neg, matched)
 
@@ -280,7 +286,10 @@ class RLTrainer:
         local = combine_shares(parts_metrics)
         local.update(algos.metrics_to_floats(correction.metrics))
         if ratio_ref is not None:
-            local.update(ShadowComparison.overclip(ratio_ref, logp, tokens, self.clip_policy.bounds, self.cfg.algo))
+            junk = self._junk_tokens(mb.response_ids)
+            local.update(
+                ShadowComparison.overclip(ratio_ref, logp, tokens, self.clip_policy.bounds, self.cfg.algo, junk)
+            )
         out = combine_shares(self.dims.all_gather_objects(local))
         if not finite:
             self.parts.optimizer.zero_grad()

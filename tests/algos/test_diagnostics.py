@@ -168,3 +168,20 @@ def test_offpolicy_metrics_of_two_ranks_shares_equal_the_whole_batchs() -> None:
     }
     for key, value in offpolicy_metrics(combined).items():
         assert float(value) == pytest.approx(float(whole[key]), rel=1e-12), key
+
+
+def test_class_overclip_metrics_are_the_lower_bound_pair_within_the_class():
+    """FP8's dose on a token class (the junk organism's junk letters): of the A < 0 tokens of the class, the share
+    FP8 clips and BF16 does not, and the reverse; and the class's share of the A < 0 tokens."""
+    from fp8rl.algos import class_overclip_metrics
+
+    ratio_ref = torch.tensor([[0.9, 0.7, 0.9, 0.9, 0.9, 0.7]])
+    ratio = torch.tensor([[0.7, 0.9, 0.7, 0.9, 0.7, 0.7]])
+    adv = torch.tensor([[-1.0, -1.0, -1.0, -1.0, 1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    junk = torch.tensor([[True, True, False, True, True, True]])
+    m = class_overclip_metrics(ratio_ref, ratio, adv, mask, 0.8, 0.8, junk, "junk")
+    # A < 0 junk tokens in the mask: 0 (over-clipped), 1 (under-clipped), 3 (neither); token 4 is A > 0, 5 masked
+    assert float(m["clip/overclip_neg_junk"]) == pytest.approx(1 / 3)
+    assert float(m["clip/underclip_neg_junk"]) == pytest.approx(1 / 3)
+    assert float(m["clip/neg_share_junk"]) == pytest.approx(3 / 4)

@@ -350,3 +350,17 @@ def test_junk_ablations_are_refused_on_a_task_without_junk_before_anything_is_bu
     for field in ("warmstart.junk_rate", "clipping.synthetic_drop_neg"):
         with pytest.raises(ConfigError, match=f"{field}=0.5 acts on junk tokens, and task 'arithmetic' has none"):
             build_trainer(with_overrides(small_cfg, {field: 0.5}))
+
+
+def test_fp8s_dose_on_junk_is_logged_on_shadow_updates(small_cfg: RunConfig):
+    """An FP8 arm of the junk organism logs, on its shadow steps, the share of negative-advantage junk tokens FP8
+    clips and BF16 does not (its dose), beside the over-clip metrics of all tokens."""
+    fp8 = {"precision.mode": "fp8_full", "trainer.shadow_every": 1, "clipping.rollout_correction": "tis_token"}
+    trainer = build_trainer(with_overrides(small_cfg, {**JUNK_ORGANISM, **fp8}))
+    data = trainer.sampler.collect(0)
+    data.adv = torch.randn(data.adv.shape[0], generator=torch.Generator().manual_seed(7))
+    trainer.sampler.collect = lambda step: data
+    metrics = trainer.train_step(0).metrics
+    for key in ("clip/overclip_neg_junk", "clip/underclip_neg_junk", "clip/neg_share_junk"):
+        assert 0 <= metrics[key] <= 1, key
+    assert metrics["clip/neg_share_junk"] > 0
