@@ -48,7 +48,7 @@ from fp8rl.tracking import (
 from fp8rl.tracking.datasets import task_datasets
 from fp8rl.trainer import checkpoint as ckpt
 from fp8rl.trainer.fit import RunSummary, fit
-from fp8rl.trainer.loop import RLTrainer
+from fp8rl.trainer.loop import RLTrainer, StepSettings
 
 log = logging.getLogger("fp8rl.job")
 
@@ -123,7 +123,7 @@ def _run_in_folder(
             log_start_weights(tracker, out_dir, weights, env.rank)
             if state is None:  # once per run, at its start
                 tracker.log_datasets(lambda: task_datasets(cfg.task, parts.task.train_problems, parts.task.eval_sets))
-            trainer = RLTrainer(parts, cfg)
+            trainer = RLTrainer(parts, StepSettings.of(cfg))
             if state is not None:
                 trainer.load_state_dict(state)
                 log.info("resumed at step %d", trainer.step)
@@ -170,7 +170,7 @@ def build_trainer(cfg: RunConfig) -> RLTrainer:
     check_environment(cfg)
     init_megatron(layout.tensor_parallel, layout.pipeline_parallel, seed=cfg.warmstart.seed)
     parts, _ = build_parts(cfg, ParallelDims.current(layout), _device(cfg))
-    return RLTrainer(parts, cfg)
+    return RLTrainer(parts, StepSettings.of(cfg))
 
 
 def _device(cfg: RunConfig) -> torch.device:

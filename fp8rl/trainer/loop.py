@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fp8rl import algos
-from fp8rl.config import RunConfig
+from fp8rl.config import AlgoConfig, ClippingConfig, EvalConfig, RunConfig, TrainerConfig
 from fp8rl.models.dims import SINGLE, ParallelDims
 from fp8rl.models.gpt import fp8_switchable_linears
 from fp8rl.models.kv_cache import kv_amax, kv_scales_from_amax, recording_kv_amax
@@ -63,6 +63,21 @@ class Parts:
     micro_batch_size: int | None = None  # rows per forward/backward pass (None: a mini-batch / batch at once)
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """The sections of a run config the trainer reads; the rest (model, precision, task, parallel layout,
+    tracking) the job has already turned into `Parts`."""
+
+    algo: AlgoConfig
+    clipping: ClippingConfig
+    trainer: TrainerConfig
+    eval: EvalConfig
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> StepSettings:
+        return cls(cfg.algo, cfg.clipping, cfg.trainer, cfg.eval)
+
+
 @dataclass
 class StepResult:
     metrics: dict[str, float]
@@ -71,9 +86,9 @@ class StepResult:
 
 
 class RLTrainer:
-    """Runs RL steps on `parts` as `cfg` (algo, clipping, trainer, eval sections) says."""
+    """Runs RL steps on `parts` as `cfg` (the run's algo, clipping, trainer and eval sections) says."""
 
-    def __init__(self, parts: Parts, cfg: RunConfig) -> None:
+    def __init__(self, parts: Parts, cfg: StepSettings) -> None:
         self.parts, self.cfg = parts, cfg
         self.policy = parts.policy
         self.model = parts.policy.module
