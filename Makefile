@@ -33,7 +33,7 @@ REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):.*## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-18s %s\n", $$1, $$2}'
 
-.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-bundle gpu-check collapse collapse-pilot collapse-control junk-gate junk-dose
+.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-bundle gpu-check collapse collapse-pilot collapse-control junk-gate junk-dose junk-fp8-pilot
 
 setup: $(STAMP)  ## the venv with torch (CPU) and fp8rl[dev,bench]; every target runs it (idempotent)
 
@@ -187,6 +187,10 @@ junk-gate: setup  ## junk organism: the gate (BF16 vs BF16 without negative junk
 junk-dose: setup  ## junk organism: dose-response and targeting control (after a passed gate)
 	$(VENV)/bin/fp8rl sweep junk_dose --launcher local --scale tiny --max-parallel 2 trainer.threads=1 $(SWEEP_ARGS)
 	$(REPORT) table junk_dose
+
+junk-fp8-pilot: setup  ## junk organism: FP8's dose on junk (30 shadow steps of vanilla FP8)
+	$(VENV)/bin/fp8rl sweep junk_fp8_pilot --launcher local --scale tiny $(SWEEP_ARGS)
+	$(REPORT) table junk_fp8_pilot
 
 reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures  ## every table and figure of results/<scale>/
 	$(REPORT) index

@@ -29,6 +29,7 @@ TABLE_EXPERIMENTS = (
     "collapse",
     "junk_gate",
     "junk_dose",
+    "junk_fp8_pilot",
 )
 
 

@@ -130,6 +130,14 @@ EXTRA_COLUMNS = {
     "collapse": JUNK_RATES,
     "junk_gate": (*JUNK_RATES, *JUNK_PROBE),
     "junk_dose": (*JUNK_RATES, *JUNK_PROBE),
+    "junk_fp8_pilot": (
+        *JUNK_RATES,
+        Column("FP8 over-clip of A<0 junk (mean)", "clip/overclip_neg_junk", "mean", "{:.4f}"),
+        Column("FP8 under-clip of A<0 junk (mean)", "clip/underclip_neg_junk", "mean", "{:.4f}"),
+        Column("FP8 over-clip of all A<0 (mean)", "clip/overclip_neg", "mean", "{:.4f}"),
+        Column("FP8 under-clip of all A<0 (mean)", "clip/underclip_neg", "mean", "{:.4f}"),
+        Column("junk share of A<0 tokens (mean)", "clip/neg_share_junk", "mean", "{:.4f}"),
+    ),
     # the same steps for both schedules: 2 to K + 1 (at the standard bounds by default, calibrated with
     # first_step=0) and K + 2 on (calibrated in both)
     "ablation_first_calibration": tuple(
