@@ -187,6 +187,7 @@ junk-gate: setup  ## junk organism: the gate (BF16 vs BF16 without negative junk
 junk-dose: setup  ## junk organism: dose-response and targeting control (after a passed gate)
 	$(VENV)/bin/fp8rl sweep junk_dose --launcher local --scale tiny --max-parallel 2 trainer.threads=1 $(SWEEP_ARGS)
 	$(REPORT) table junk_dose
+	$(PY) -m fp8rl.studies.junk_organism dose --scale tiny --out results/tiny
 
 junk-fp8-pilot: setup  ## junk organism: FP8's dose on junk (30 shadow steps of vanilla FP8)
 	$(VENV)/bin/fp8rl sweep junk_fp8_pilot --launcher local --scale tiny $(SWEEP_ARGS)
