@@ -61,13 +61,11 @@ FP8 (``check_vllm_support`` says what runs where; config validation should call 
 
 ``fp8_kv_cache`` maps to ``kv_cache_dtype="fp8"`` (E4M3). Its scales (``kv_cache_scales``): "unit" is vLLM's
 default for a checkpoint without scales; "calibrated" takes the trainer's per-layer scales (`set_kv_scales`,
-from the keys after rotary embedding, where vLLM caches them) and writes them where vLLM's own loader puts a
-checkpoint's ``k_scale`` / ``v_scale`` (`set_attention_kv_scales`: each ``Attention`` layer's ``_k_scale`` /
-``_v_scale`` tensors, their host floats and CPU copies, vllm/model_executor/layers/quantization/kv_cache.py),
-again after every weight push (a reload resets them to 1), and drops the prefix cache. FP8 weights need a bf16 / fp16
-model dtype. Only the CPU column was run here; the GPU rows follow vLLM 0.32's documented names and are
-unverified until a GPU run. (vLLM 0.32 no longer quantizes online under ``quantization="fp8"``: that name
-now means an FP8-serialized checkpoint, and a bf16 one is refused.)
+from the keys after rotary embedding, where vLLM caches them), writes them where vLLM's loader puts a
+checkpoint's (`fp8rl.rollout.vllm_kv_scales`), again after every weight push, and drops the prefix cache. FP8
+weights need a bf16 / fp16 model dtype. Only the CPU column was run here; the GPU rows follow vLLM 0.32's
+documented names and are unverified until a GPU run. (vLLM 0.32 no longer quantizes online under
+``quantization="fp8"``: that name now means an FP8-serialized checkpoint, and a bf16 one is refused.)
 """
 
 from __future__ import annotations
@@ -75,7 +73,6 @@ from __future__ import annotations
 import functools
 import gc
 import os
-import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -92,6 +89,7 @@ from fp8rl.models.policy import Policy
 from fp8rl.models.runtime import require_megatron
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutBatch
+from fp8rl.rollout.vllm_kv_scales import set_attention_kv_scales
 
 # Set before vLLM is imported (it reads them at import and engine start).
 VLLM_ENV = {
@@ -280,31 +278,6 @@ def vllm_engine_args(
     if sleep:
         args["enable_sleep_mode"] = True
     return args
-
-
-def set_attention_kv_scales(scales: KvScales, model: torch.nn.Module) -> list[int]:
-    """Run inside a vLLM worker (``LLM.apply_model``): give each of `model`'s attention layers its (key, value)
-    scale from `scales` (megatron layer numbers: vLLM's ``model.layers.N`` is layer N + 1) as vLLM's loader
-    does for a checkpoint's k_scale / v_scale (doubled on FP8-FNUZ platforms, as there). Returns the layer
-    numbers set."""
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.platforms import current_platform
-
-    factor = 2.0 if current_platform.is_fp8_fnuz() else 1.0
-    done = []
-    for module in model.modules():
-        match = re.search(r"layers\.(\d+)\.", module.layer_name) if isinstance(module, Attention) else None
-        layer = int(match.group(1)) + 1 if match else None
-        if layer not in scales:
-            continue
-        k_scale, v_scale = (factor * float(s) for s in scales[layer])
-        module._k_scale.fill_(k_scale)
-        module._v_scale.fill_(v_scale)
-        module._k_scale_float, module._v_scale_float = k_scale, v_scale
-        module._k_scale_cpu.fill_(k_scale)
-        module._v_scale_cpu.fill_(v_scale)
-        done.append(layer)
-    return done
 
 
 def whole_model_state(model: torch.nn.Module | Policy) -> torch.nn.Module | dict[str, torch.Tensor]:

@@ -202,8 +202,10 @@ def kv_scales_in_engine(vllm_engine) -> dict[int, tuple[float, ...]]:
     def read(model):
         from vllm.model_executor.layers.attention.attention import Attention
 
+        from fp8rl.rollout.vllm_kv_scales import vllm_layer_number
+
         return {
-            int(m.layer_name.split("layers.")[1].split(".")[0]) + 1: (
+            vllm_layer_number(m.layer_name): (
                 m._k_scale_float,
                 m._v_scale_float,
                 float(m._k_scale),
