@@ -33,7 +33,7 @@ REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):.*## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-18s %s\n", $$1, $$2}'
 
-.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-bundle gpu-check collapse collapse-pilot collapse-control junk-gate junk-dose junk-fp8-pilot
+.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-bundle gpu-check collapse collapse-reject collapse-pilot collapse-control junk-gate junk-dose junk-fp8-pilot junk-arms
 
 setup: $(STAMP)  ## the venv with torch (CPU) and fp8rl[dev,bench]; every target runs it (idempotent)
 
@@ -170,7 +170,8 @@ collapse-control: setup  ## collapse study: positive control (gate)
 
 # The whole pre-registered study: pilot, control, and the 9 runs only if the control accumulates junk (exit 3
 # of `control --gate` stops it there, as the design says). Finished runs are found in MLflow and not re-run.
-collapse: collapse-pilot collapse-control  ## the collapse study (pilot, control, arms if the control passes)
+# (Its control could not pass in that organism: `make collapse` now runs the junk organism below.)
+collapse-reject: collapse-pilot collapse-control  ## the 2026-12-01 collapse study (junk rejected by the reward)
 	@$(COLLAPSE_REPORT) control --gate; status=$$?; \
 	if [ $$status -eq 3 ]; then exit 0; elif [ $$status -ne 0 ]; then exit $$status; fi; \
 	for seed in $(subst $(comma), ,$(COLLAPSE_SEEDS)); do $(COLLAPSE) trainer.seed=$$seed || exit 1; done; \
@@ -192,6 +193,18 @@ junk-dose: setup  ## junk organism: dose-response and targeting control (after a
 junk-fp8-pilot: setup  ## junk organism: FP8's dose on junk (30 shadow steps of vanilla FP8)
 	$(VENV)/bin/fp8rl sweep junk_fp8_pilot --launcher local --scale tiny $(SWEEP_ARGS)
 	$(REPORT) table junk_fp8_pilot
+
+junk-arms: setup  ## junk organism: the FP8 arms (BF16, vanilla FP8, FP8 + Calibrated Clipping; 3 seeds)
+	$(VENV)/bin/fp8rl sweep junk_arms --launcher local --scale tiny --max-parallel 2 trainer.threads=1 $(SWEEP_ARGS)
+	$(REPORT) table junk_arms
+	$(PY) -m fp8rl.studies.junk_organism arms --scale tiny --out results/tiny
+
+# The whole junk organism study, as designed: the gate, and only if it passes (exit 3 of `gate --stop` ends it
+# there) the dose-response, FP8's dose pilot and the FP8 arms. Finished runs are found in MLflow and not re-run.
+collapse: junk-gate  ## the collapse study: the junk organism's gate, then (if it passes) dose, pilot and arms
+	@$(PY) -m fp8rl.studies.junk_organism gate --scale tiny --out results/tiny --stop; status=$$?; \
+	if [ $$status -eq 3 ]; then exit 0; elif [ $$status -ne 0 ]; then exit $$status; fi; \
+	$(MAKE) junk-dose junk-fp8-pilot junk-arms
 
 reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures  ## every table and figure of results/<scale>/
 	$(REPORT) index

@@ -41,6 +41,7 @@ from fp8rl.algos.corrections import (
 )
 from fp8rl.algos.dapo import GroupFilter, filter_uniform_groups, overlong_penalty
 from fp8rl.algos.diagnostics import (
+    P_OLD_BUCKETS,
     RATIO_QUANTILES,
     class_overclip_metrics,
     clip_fraction_metrics,
@@ -50,7 +51,9 @@ from fp8rl.algos.diagnostics import (
     entropy_metrics,
     offpolicy_metrics,
     offpolicy_statistics,
+    overclip_breakdown_counts,
     overclip_metrics,
+    p_old_groups,
     ratio_quantile_metrics,
     rollout_mismatch_metrics,
     sign_contributions,
@@ -69,6 +72,7 @@ __all__ = [
     "CLIP_BOUND_POLICIES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "P_OLD_BUCKETS",
     "RATIO_QUANTILES",
     "ROLLOUT_CORRECTIONS",
     "CalibStatus",
@@ -113,7 +117,9 @@ __all__ = [
     "metrics_to_floats",
     "clip_overlap_metrics",
     "class_overclip_metrics",
+    "overclip_breakdown_counts",
     "overclip_metrics",
+    "p_old_groups",
     "overlong_penalty",
     "ratio_quantile_metrics",
     "register_policy_loss",

@@ -129,6 +129,54 @@ def class_overclip_metrics(
     }
 
 
+P_OLD_BUCKETS = (0.01, 0.1, 0.5)  # edges of the p_old buckets of `overclip_breakdown_counts`: [0, .01), ..., [.5, 1]
+
+
+def p_old_groups(old_logp: torch.Tensor, edges: tuple[float, ...] = P_OLD_BUCKETS) -> dict[str, torch.Tensor]:
+    """Bool masks of the tokens by the old policy's probability exp(old_logp), one per bucket between `edges`
+    (and 0 and 1), named by their range in percent: ``pold_0_1``, ``pold_1_10``, ``pold_10_50``, ``pold_50_100``."""
+    prob = torch.exp(old_logp.float())
+    bounds = (0.0, *edges, float("inf"))
+    groups = {}
+    for low, high in zip(bounds, bounds[1:], strict=False):
+        name = f"pold_{low * 100:g}_{min(high, 1.0) * 100:g}"
+        groups[name] = (prob >= low) & (prob < high)
+    return groups
+
+
+def overclip_breakdown_counts(
+    ratio_ref: torch.Tensor,
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    response_mask: torch.Tensor,
+    bounds: tuple[float, float],
+    ref_bounds: tuple[float, float],
+    groups: dict[str, torch.Tensor],
+) -> Metrics:
+    """Token counts for FP8's clipping error by group (token classes, p_old buckets: bool masks in `groups`), at
+    both bounds: per group g and sign s (``neg``: A < 0 at the lower bound, ``pos``: A > 0 at the upper),
+    ``clip/count/<s>_<g>`` (the group's tokens of that sign), ``clip/count/overclip_<s>_<g>`` (clipped in FP8 at
+    `bounds`, not in BF16 at `ref_bounds`) and ``clip/count/underclip_<s>_<g>`` (the reverse). Counts, not
+    shares, so that shares pooled over updates, ranks and seeds are ratios of sums (a share per update weighs an
+    update with one token of a group like one with a hundred)."""
+    mask = as_bool_mask(response_mask)
+    adv = expand_adv(adv, ratio)
+    low, high = bounds
+    ref_low, ref_high = ref_bounds
+    sides = {
+        "neg": (mask & (adv < 0), ratio <= low, ratio_ref <= ref_low),
+        "pos": (mask & (adv > 0), ratio >= high, ratio_ref >= ref_high),
+    }
+    metrics: Metrics = {}
+    for group, in_group in groups.items():
+        for sign, (selected, fp8_hit, ref_hit) in sides.items():
+            chosen = selected & in_group
+            metrics[f"clip/count/{sign}_{group}"] = chosen.sum().float()
+            metrics[f"clip/count/overclip_{sign}_{group}"] = (chosen & fp8_hit & ~ref_hit).sum().float()
+            metrics[f"clip/count/underclip_{sign}_{group}"] = (chosen & ~fp8_hit & ref_hit).sum().float()
+    return metrics
+
+
 def overclip_metrics(
     ratio_ref: torch.Tensor,
     ratio: torch.Tensor,

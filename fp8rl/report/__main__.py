@@ -30,6 +30,7 @@ TABLE_EXPERIMENTS = (
     "junk_gate",
     "junk_dose",
     "junk_fp8_pilot",
+    "junk_arms",
 )
 
 

@@ -130,6 +130,7 @@ EXTRA_COLUMNS = {
     "collapse": JUNK_RATES,
     "junk_gate": (*JUNK_RATES, *JUNK_PROBE),
     "junk_dose": (*JUNK_RATES, *JUNK_PROBE),
+    "junk_arms": (*JUNK_RATES, *JUNK_PROBE[:3]),
     "junk_fp8_pilot": (
         *JUNK_RATES,
         Column("FP8 over-clip of A<0 junk (mean)", "clip/overclip_neg_junk", "mean", "{:.4f}"),

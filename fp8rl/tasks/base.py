@@ -147,6 +147,12 @@ def junk_ids(task: Task) -> frozenset[int]:
     return frozenset(getattr(task, "junk_ids", frozenset()))
 
 
+def token_classes(task: Task) -> dict[str, frozenset[int]]:
+    """The task's response tokens by class (its optional ``token_classes``: class name -> ids), for FP8's
+    clipping error per class; empty for a task without them."""
+    return dict(getattr(task, "token_classes", {}))
+
+
 def garble_metrics(reasons: Sequence[str | None]) -> dict[str, float]:
     """Share of garbled responses, overall and per reason (every reason always present), as ``rollout/`` metrics."""
     counts = Counter(reason for reason in reasons if reason is not None)

@@ -101,6 +101,23 @@ class ChainTask(CharTask):
         """The junk letters' token ids (never right)."""
         return self._junk_ids
 
+    @property
+    def token_classes(self) -> dict[str, frozenset[int]]:
+        """The response tokens by class, for FP8's clipping error per class (`fp8rl.tasks.base.token_classes`):
+        junk letters, digits, the separator (comma), <eos>, and every other token of the vocabulary (the prompt's
+        '+' and '=', the other special tokens), so the classes partition whatever a response samples; empty
+        without junk letters."""
+        if not self._junk_ids:
+            return {}
+        classes = {
+            "junk": self._junk_ids,
+            "digit": frozenset(self.tokenizer.encode(DIGITS, add_bos=False)),
+            "separator": frozenset(self.tokenizer.encode(",", add_bos=False)),
+            "eos": frozenset(self.tokenizer.eos_ids),
+        }
+        named = frozenset().union(*classes.values())
+        return {**classes, "other": frozenset(range(self.tokenizer.vocab_size)) - named}
+
     def reward(self, problem: Problem, response_ids: Sequence[int]) -> float:
         """1.0 iff <eos> came in time, the body (junk stripped first under junk_grading=strip) parses as a chain
         and its last number is the sum."""

@@ -164,6 +164,12 @@ EVAL = {
     "clip/underclip_neg_junk": "shadow update: negative-advantage junk tokens clipped in BF16 but not in FP8, / A<0 "
     "junk tokens",
     "clip/neg_share_junk": "shadow update: junk tokens' share of the negative-advantage tokens",
+    "clip/count/<sign>_<group>": "shadow step (tasks with token classes): the step's tokens of a group (a token "
+    "class: junk, digit, separator, eos, other; or a p_old bucket in percent: pold_0_1, pold_1_10, pold_10_50, "
+    "pold_50_100) with A<0 (sign neg) or A>0 (sign pos), summed over its shadow updates and ranks",
+    "clip/count/overclip_<sign>_<group>": "shadow step: of those, clipped in FP8 but not in BF16 (the lower bound "
+    "for neg, the upper for pos): FP8's over-clip, pooled as a ratio of sums",
+    "clip/count/underclip_<sign>_<group>": "shadow step: of those, clipped in BF16 but not in FP8",
 }
 
 TRAIN = {

@@ -25,7 +25,7 @@ from fp8rl.models.policy import Policy, unwrapped
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.quant import DelayedScalingState
 from fp8rl.rollout.base import RolloutBatch, RolloutEngine
-from fp8rl.tasks.base import Task, junk_ids
+from fp8rl.tasks.base import Task, junk_ids, token_classes
 from fp8rl.trainer.batch import (
     SHUFFLE_SALT,
     MicroBatch,
@@ -265,6 +265,19 @@ class RLTrainer:
             return None
         return torch.isin(response_ids, torch.tensor(sorted(junk), device=response_ids.device))
 
+    def _token_groups(self, response_ids: torch.Tensor, old_logp: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The groups FP8's clipping error is counted by on shadow updates (``clip/count/...``): the task's token
+        classes and the p_old buckets, bool (rows, response_len) each; None for a task without token classes."""
+        classes = token_classes(self.task)
+        if not classes:
+            return None
+        groups = {
+            name: torch.isin(response_ids, torch.tensor(sorted(ids), device=response_ids.device))
+            for name, ids in classes.items()
+        }
+        groups.update(algos.p_old_groups(old_logp))
+        return groups
+
     def _dropped_negatives(self, step: int, update: int, mb: RolloutBatch, mask, adv) -> torch.Tensor | None:
         """The junk organism's class-targeted removal (``clipping.synthetic_drop_neg``): the negative-advantage
         tokens whose gradient this mini-batch zeroes, (rows, response_len) bool; None when it is off."""
@@ -301,9 +314,11 @@ class RLTrainer:
         local = combine_shares(parts_metrics)
         local.update(algos.metrics_to_floats(correction.metrics))
         if ratio_ref is not None:
-            junk = self._junk_tokens(mb.response_ids)
+            junk, groups = self._junk_tokens(mb.response_ids), self._token_groups(mb.response_ids, old_logp)
             local.update(
-                ShadowComparison.overclip(ratio_ref, logp, tokens, self.clip_policy.bounds, self.cfg.algo, junk)
+                ShadowComparison.overclip(
+                    ratio_ref, logp, tokens, self.clip_policy.bounds, self.cfg.algo, junk, groups
+                )
             )
         out = combine_shares(self.dims.all_gather_objects(local))
         if not finite:
@@ -411,6 +426,7 @@ def _clone_tree(value: Any, copy=lambda t: t.detach().clone()) -> Any:
     return value
 
 
+COUNT_PREFIX = "clip/count/"  # token counts (`algos.overclip_breakdown_counts`): summed over ranks
 LOSS_KEYS = ("actor/pg_loss", "actor/loss", "actor/kl_loss")  # shares of one global loss: summed over ranks
 
 
@@ -422,7 +438,7 @@ def _inverse(micro: list[MicroBatch]) -> torch.Tensor:
 
 def combine_shares(items: list[dict[str, float]]) -> dict[str, float]:
     """The metrics of a whole mini-batch from those of its shares (micro-batches, data-parallel ranks): loss
-    shares and token counts summed, per-token statistics weighted by tokens, ``p`` ratios recomputed from the
+    shares and token counts (``train/tokens``, ``clip/count/...``) summed, per-token statistics weighted by tokens, ``p`` ratios recomputed from the
     combined sign contributions. Ratio quantiles become token-weighted means of the shares' quantiles (an
     approximation: exact with one share)."""
     if len(items) == 1:
@@ -432,7 +448,7 @@ def combine_shares(items: list[dict[str, float]]) -> dict[str, float]:
     out = {}
     for key in dict.fromkeys(k for m in items for k in m):
         values = [(m[key], w) for m, w in zip(items, weights, strict=True) if key in m]
-        if key in LOSS_KEYS or key == "train/tokens":
+        if key in LOSS_KEYS or key == "train/tokens" or key.startswith(COUNT_PREFIX):
             out[key] = math.fsum(v for v, _ in values)
         else:
             out[key] = math.fsum(v * w for v, w in values) / total
@@ -445,10 +461,14 @@ def combine_shares(items: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _mean_metrics(items: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over mini-batches of each metric's finite values (NaN when it has none: logged as NaN)."""
+    """Mean over mini-batches of each metric's finite values (NaN when it has none: logged as NaN); token counts
+    (``clip/count/...``) summed: the step's."""
     keys = dict.fromkeys(k for item in items for k in item)
     out = {}
     for key in keys:
         values = [item[key] for item in items if key in item and math.isfinite(item[key])]
-        out[key] = math.fsum(values) / len(values) if values else float("nan")
+        if key.startswith(COUNT_PREFIX):
+            out[key] = math.fsum(values)
+        else:
+            out[key] = math.fsum(values) / len(values) if values else float("nan")
     return out

@@ -113,11 +113,14 @@ class ShadowComparison:
         bounds: tuple[float, float],
         algo: AlgoConfig,
         junk: torch.Tensor | None = None,
+        groups: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, float]:
         """The update's over-clip metrics (``clip/overclip_neg``, ...): FP8's ratio of this update's log-probs
         `logp` at the bounds in force against the BF16 shadow's `ratio_ref` at the standard bounds, over the
         loss's tokens (after the rollout correction's rejection); with `junk` (bool, the task's junk tokens) the
-        same within the junk tokens (``clip/overclip_neg_junk``, ...: FP8's dose on them)."""
+        same within the junk tokens (``clip/overclip_neg_junk``, ...: FP8's dose on them); with `groups` (bool
+        masks: token classes, p_old buckets) the token counts of FP8's clipping error per group at both bounds
+        (``clip/count/...``, `algos.overclip_breakdown_counts`)."""
         mask = tokens.mask.bool()
         log_ratio = torch.where(mask, logp.float() - tokens.old_logp.float(), 0)
         ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # as the loss computes it
@@ -130,6 +133,9 @@ class ShadowComparison:
             measured.update(
                 algos.class_overclip_metrics(ratio_ref, ratio, adv, mask, bounds[0], reference[0], junk, "junk")
             )
+        if groups:
+            adv, mask = tokens.adv.detach(), tokens.loss_mask
+            measured.update(algos.overclip_breakdown_counts(ratio_ref, ratio, adv, mask, bounds, reference, groups))
         return algos.metrics_to_floats(measured)
 
     def finish(self, step: int, clip_policy: algos.ClipBoundPolicy) -> dict[str, float]:

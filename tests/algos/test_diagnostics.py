@@ -185,3 +185,31 @@ def test_class_overclip_metrics_are_the_lower_bound_pair_within_the_class():
     assert float(m["clip/overclip_neg_junk"]) == pytest.approx(1 / 3)
     assert float(m["clip/underclip_neg_junk"]) == pytest.approx(1 / 3)
     assert float(m["clip/neg_share_junk"]) == pytest.approx(3 / 4)
+
+
+def test_overclip_breakdown_counts_both_bounds_per_group():
+    """FP8's clipping error counted per group at both bounds: A < 0 at the lower bound, A > 0 at the upper, over
+    the masked tokens of the group; counts, so shares pool as ratios of sums."""
+    from fp8rl.algos import overclip_breakdown_counts
+
+    ratio_ref = torch.tensor([[0.9, 0.7, 0.9, 1.1, 1.3, 1.1, 0.7]])
+    ratio = torch.tensor([[0.7, 0.9, 0.9, 1.3, 1.1, 1.3, 0.7]])
+    adv = torch.tensor([[-1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]])
+    group = torch.tensor([[True, True, True, True, True, False, True]])
+    m = overclip_breakdown_counts(ratio_ref, ratio, adv, mask, (0.8, 1.2), (0.8, 1.2), {"g": group})
+    counts = {k.removeprefix("clip/count/"): float(v) for k, v in m.items()}
+    # A < 0 in the mask and the group: tokens 0 (over), 1 (under), 2 (neither); 6 is masked out
+    assert (counts["neg_g"], counts["overclip_neg_g"], counts["underclip_neg_g"]) == (3, 1, 1)
+    # A > 0: tokens 3 (over at the upper bound), 4 (under); 5 is outside the group
+    assert (counts["pos_g"], counts["overclip_pos_g"], counts["underclip_pos_g"]) == (2, 1, 1)
+
+
+def test_p_old_groups_partition_the_tokens_by_old_probability():
+    from fp8rl.algos import p_old_groups
+
+    prob = torch.tensor([[0.0, 0.005, 0.01, 0.05, 0.2, 0.5, 1.0]])
+    groups = p_old_groups(torch.log(prob))
+    assert list(groups) == ["pold_0_1", "pold_1_10", "pold_10_50", "pold_50_100"]
+    members = {name: mask[0].nonzero().flatten().tolist() for name, mask in groups.items()}
+    assert members == {"pold_0_1": [0, 1], "pold_1_10": [2, 3], "pold_10_50": [4], "pold_50_100": [5, 6]}

@@ -31,9 +31,10 @@ EXPECTED = {  # experiment -> (points, axes); the tables' files carry their seed
     "junk_gate": (2, ARM_SEED),
     "junk_dose": (15, ARM_SEED),
     "junk_fp8_pilot": (1, [*ARM_SEED, "trainer.shadow_every"]),
+    "junk_arms": (9, ARM_SEED),
 }
 # CPU-scale studies (their own task and model): no paper-scale form
-CPU_STUDIES = {"collapse", "junk_gate", "junk_dose", "junk_fp8_pilot"}
+CPU_STUDIES = {"collapse", "junk_gate", "junk_dose", "junk_fp8_pilot", "junk_arms"}
 PAPER_MODELS = {"dapo_table": "qwen3_14b"}
 URI = "sqlite:///unused.db"
 

@@ -100,3 +100,19 @@ def test_strip_grading_reads_past_junk_as_a_verifier_does_and_reject_does_not():
     assert strip.junk_ids == frozenset(reject.tokenizer.encode(junk_alphabet(16), add_bos=False))
     with pytest.raises(ConfigError, match="task.junk_grading='lenient' is not valid"):
         chain_cfg(junk_grading="lenient")
+
+
+def test_token_classes_split_the_response_vocabulary_and_need_junk_letters(task):
+    """The classes FP8's clipping error is counted by (junk / digit / separator / eos): disjoint, covering every
+    token a response can hold; none without junk letters (tasks without classes count nothing)."""
+    from fp8rl.tasks.base import token_classes
+
+    classes = token_classes(task)
+    assert list(classes) == ["junk", "digit", "separator", "eos", "other"]
+    assert classes["junk"] == task.junk_ids and len(classes["digit"]) == 10
+    assert classes["eos"] == frozenset(task.tokenizer.eos_ids)
+    assert set(task.tokenizer.encode("+=", add_bos=False)) <= classes["other"]
+    members = [i for ids in classes.values() for i in ids]
+    assert sorted(members) == list(range(task.tokenizer.vocab_size))  # a partition of the vocabulary
+    assert token_classes(build_task(chain_cfg(junk_tokens=0))) == {}
+    assert token_classes(build_task(TaskConfig(num_train=10, num_eval=10))) == {}

@@ -364,3 +364,18 @@ def test_fp8s_dose_on_junk_is_logged_on_shadow_updates(small_cfg: RunConfig):
     for key in ("clip/overclip_neg_junk", "clip/underclip_neg_junk", "clip/neg_share_junk"):
         assert 0 <= metrics[key] <= 1, key
     assert metrics["clip/neg_share_junk"] > 0
+    # the step's token counts by class and by p_old bucket, at both bounds: two partitions of the same tokens
+    from fp8rl.algos import p_old_groups
+    from fp8rl.tasks.base import token_classes
+    from fp8rl.tracking.glossary import unexplained
+
+    buckets = list(p_old_groups(torch.zeros(1)))
+    for sign in ("neg", "pos"):
+        by_class = sum(metrics[f"clip/count/{sign}_{name}"] for name in token_classes(trainer.task))
+        by_bucket = sum(metrics[f"clip/count/{sign}_{name}"] for name in buckets)
+        assert by_class == by_bucket > 0, sign
+        for group in [*token_classes(trainer.task), *buckets]:
+            over, total = metrics[f"clip/count/overclip_{sign}_{group}"], metrics[f"clip/count/{sign}_{group}"]
+            assert 0 <= over <= total and over == int(over), (sign, group)
+    assert metrics["clip/count/neg_junk"] > 0
+    assert not unexplained(metrics)
