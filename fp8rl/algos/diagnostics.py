@@ -137,11 +137,15 @@ def p_old_groups(old_logp: torch.Tensor, edges: tuple[float, ...] = P_OLD_BUCKET
     (and 0 and 1), named by their range in percent: ``pold_0_1``, ``pold_1_10``, ``pold_10_50``, ``pold_50_100``."""
     prob = torch.exp(old_logp.float())
     bounds = (0.0, *edges, float("inf"))
-    groups = {}
-    for low, high in zip(bounds, bounds[1:], strict=False):
-        name = f"pold_{low * 100:g}_{min(high, 1.0) * 100:g}"
-        groups[name] = (prob >= low) & (prob < high)
-    return groups
+    pairs = zip(bounds, bounds[1:], strict=False)
+    names = p_old_bucket_names(edges)
+    return {name: (prob >= low) & (prob < high) for name, (low, high) in zip(names, pairs, strict=True)}
+
+
+def p_old_bucket_names(edges: tuple[float, ...] = P_OLD_BUCKETS) -> list[str]:
+    """The names of `p_old_groups`' buckets, in order."""
+    bounds = (0.0, *edges, 1.0)
+    return [f"pold_{low * 100:g}_{high * 100:g}" for low, high in zip(bounds, bounds[1:], strict=False)]
 
 
 def overclip_breakdown_counts(

@@ -11,21 +11,34 @@ only evaluates the rule, so the verdict is computed, never typed:
   excludes 0; untargeted removal of the same count (``control_dropother``) leaves junk alone if its interval
   includes 0, and targeting matters if besides q = 1.0's difference exceeds it in every seed.
 
-Each writes a Markdown file into the results folder (``junk_gate.md``, ``junk_dose.md``) with the MLflow run ids
-it read; ``gate --stop`` exits 3 when the gate does not pass (the study stops there, as pre-registered).
+- ``arms``: the FP8 arms' four endpoints (amended before their runs): the prediction (each FP8 arm's junk-mass
+  difference from BF16 has a 95% t-interval including 0, and no FP8 run's rollout entropy surged); FP8's dose on
+  junk (vanilla FP8's over-clip share of negative-advantage junk tokens pooled over seeds and shadow steps, with a
+  95% Wilson interval; the prediction's premise holds if it lies below q = 0.1); Calibrated Clipping's recovery
+  (junk mass below vanilla FP8's in every seed and a lower pooled junk over-clip share); and whether negative
+  tokens are over-clipped disproportionately (the A < 0 share's interval above the A > 0 share's), with the
+  shares per token class and p_old bucket.
+
+Each writes a Markdown file into the results folder (``junk_gate.md``, ``junk_dose.md``, ``junk_arms.md``) with
+the MLflow run ids it read; ``gate --stop`` exits 3 when the gate does not pass (the study stops there, as
+pre-registered).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from scipy import stats
 
+from fp8rl.algos import p_old_bucket_names
 from fp8rl.report.frames import RunData, load_runs, reduce_values, run_seed, t_interval
+from fp8rl.report.surge import detect_surge
 from fp8rl.tracking import store
 
 JUNK_MASS = "eval/junk_mass"
@@ -33,6 +46,13 @@ BF16_ARM, CONTROL_ARM = "bf16", "control_dropjunk"
 GATE_FACTOR = 2.0
 DOSES = {"control_dropjunk_q10": 0.1, "control_dropjunk_q30": 0.3, "control_dropjunk": 1.0}  # arm -> q
 UNTARGETED_ARM = "control_dropother"
+VANILLA_ARM, CC_ARM = "fp8_tensorwise_kv", "cc_tensorwise_kv"
+FP8_ARMS = (VANILLA_ARM, CC_ARM)
+SMALLEST_DOSE = min(DOSES.values())
+ENTROPY = "rollout/entropy"
+TOKEN_CLASSES = ("junk", "digit", "separator", "eos", "other")  # the chain task's (`ChainTask.token_classes`)
+GROUPS = (*TOKEN_CLASSES, *p_old_bucket_names())
+SIGNS = {"neg": "A<0 (lower bound)", "pos": "A>0 (upper bound)"}
 STOPPED = 3  # exit code of `gate --stop` when the gate does not pass: the study is not run further
 
 
@@ -87,6 +107,131 @@ def dose_verdict(differences: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, boo
         "targeting matters": count_alone and every_seed,
     }
     return table, verdicts
+
+
+def count_keys(sign: str, group: str) -> tuple[str, str, str]:
+    """The shadow steps' count metrics of one sign and group: (tokens, over-clipped, under-clipped)."""
+    tail = f"{sign}_{group}"
+    return f"clip/count/{tail}", f"clip/count/overclip_{tail}", f"clip/count/underclip_{tail}"
+
+
+def pooled_shares(runs: Sequence[RunData], sign: str, group: str) -> dict[str, float]:
+    """FP8's clipping error of one sign and group (``all``: every token, the p_old buckets summed, a partition)
+    pooled over `runs` and their shadow steps as ratios of sums: tokens, over- and under-clipped shares, the
+    over-clip share's 95% Wilson interval, and the net share."""
+    parts = p_old_bucket_names() if group == "all" else [group]
+    n, over, under = (
+        round(sum(sum(r.series(count_keys(sign, part)[i])) for r in runs for part in parts)) for i in range(3)
+    )
+    if n == 0:
+        return dict.fromkeys(("tokens", "over-clip", "low", "high", "under-clip", "net"), math.nan) | {"tokens": 0}
+    interval = stats.binomtest(over, n).proportion_ci(method="wilson")
+    return {
+        "tokens": n,
+        "over-clip": over / n,
+        "low": interval.low,
+        "high": interval.high,
+        "under-clip": under / n,
+        "net": (over - under) / n,
+    }
+
+
+def breakdown(runs: Sequence[RunData]) -> pd.DataFrame:
+    """`pooled_shares` per FP8 arm, sign and group (all tokens, the token classes, the p_old buckets)."""
+    rows = [
+        {"arm": arm, "sign": sign, "group": group, **pooled_shares([r for r in runs if r.group[0] == arm], sign, group)}
+        for arm in FP8_ARMS
+        for sign in SIGNS
+        for group in ("all", *GROUPS)
+    ]
+    return pd.DataFrame(rows)
+
+
+def surges(runs: Sequence[RunData]) -> pd.DataFrame:
+    """Per run: its arm, seed, rollout-entropy surge ratio and whether it surged (`fp8rl.report.surge`)."""
+    rows = []
+    for r in runs:
+        surge = detect_surge(r.series(ENTROPY))
+        rows.append({"arm": r.group[0], "seed": run_seed(r), "surge ratio": surge.ratio, "surged": surge.surged})
+    return pd.DataFrame(rows)
+
+
+def arms_verdicts(
+    differences: pd.DataFrame, shares: pd.DataFrame, surged: pd.DataFrame
+) -> tuple[pd.DataFrame, dict[str, bool]]:
+    """The four pre-registered endpoints of the FP8 arms (module docstring): the per-arm t-intervals of the
+    junk-mass differences and the verdicts."""
+    summary = []
+    for arm, rows in differences.groupby("arm", sort=False):
+        mean, low, high = t_interval(rows["minus BF16"].tolist())
+        summary.append({"arm": arm, "n": len(rows), "mean": mean, "low": low, "high": high})
+    table = pd.DataFrame(summary).set_index("arm")
+    includes_zero = all(arm in table.index and table.loc[arm, "low"] <= 0 <= table.loc[arm, "high"] for arm in FP8_ARMS)
+    fp8_surged = bool(surged[surged["arm"].isin(FP8_ARMS)]["surged"].any())
+
+    def share(arm: str, sign: str, group: str) -> pd.Series:
+        return shares[(shares["arm"] == arm) & (shares["sign"] == sign) & (shares["group"] == group)].iloc[0]
+
+    dose = share(VANILLA_ARM, "neg", "junk")
+    pairs = differences.pivot(index="seed", columns="arm", values="junk mass")
+    cc_lower_every_seed = bool((pairs[CC_ARM] < pairs[VANILLA_ARM]).all())
+    cc_lower_dose = bool(share(CC_ARM, "neg", "junk")["over-clip"] < dose["over-clip"])
+    neg, pos = share(VANILLA_ARM, "neg", "all"), share(VANILLA_ARM, "pos", "all")
+    verdicts = {
+        "the prediction holds (both FP8 arms' intervals include 0, no FP8 run surged)": includes_zero
+        and not fp8_surged,
+        f"FP8's dose on junk lies below q = {SMALLEST_DOSE:g} (its Wilson interval)": bool(
+            dose["high"] < SMALLEST_DOSE
+        ),
+        "Calibrated Clipping recovers (junk mass below vanilla FP8's in every seed and a lower junk over-clip share)": (
+            cc_lower_every_seed and cc_lower_dose
+        ),
+        "vanilla FP8 over-clips negative tokens disproportionately (A<0 interval above A>0's)": bool(
+            neg["low"] > pos["high"]
+        ),
+    }
+    return table.reset_index(), verdicts
+
+
+def write_arms(experiment: str, out: Path, uri: str | None) -> Path:
+    """The FP8 arms' endpoints: junk-mass differences, surges, FP8's pooled clipping error, the verdicts."""
+    keys = [JUNK_MASS, ENTROPY, *(k for sign in SIGNS for group in GROUPS for k in count_keys(sign, group))]
+    runs, _, uri = load_runs(experiment, keys, group_by=["arm"], tracking_uri=uri, newest_only=True)
+    differences = junk_differences(runs)
+    if differences.empty or not set(FP8_ARMS) <= set(differences["arm"]):
+        raise SystemExit(f"{experiment} needs finished BF16, {VANILLA_ARM} and {CC_ARM} runs of the same seeds")
+    shares, surged = breakdown(runs), surges(runs)
+    table, verdicts = arms_verdicts(differences, shares, surged)
+    ids = ", ".join(f"`{r.run_id}` ({r.group[0]}, seed {run_seed(r)})" for r in runs)
+    text = [
+        _header(runs, uri, "the FP8 arms"),
+        "",
+        "Junk mass (probe, mean of the last 3 evaluations) and its difference from BF16's of the same seed:",
+        "",
+        differences.to_markdown(index=False, floatfmt=".5f"),
+        "",
+        "Per FP8 arm, mean difference and 95% t-interval over the seeds:",
+        "",
+        table.to_markdown(index=False, floatfmt=".5f"),
+        "",
+        "Rollout-entropy surges (`fp8rl/report/surge.py`):",
+        "",
+        surged.to_markdown(index=False, floatfmt=".3f"),
+        "",
+        "FP8's clipping error against the BF16 shadow, pooled over the seeds' shadow steps (ratios of sums of "
+        "`clip/count/...`; sign neg: A<0 tokens at the lower bound, pos: A>0 tokens at the upper bound; `low`, "
+        "`high`: the over-clip share's 95% Wilson interval, tokens treated as independent, so descriptive; groups: "
+        "token classes and p_old buckets in percent):",
+        "",
+        shares.to_markdown(index=False, floatfmt=".4f"),
+        "",
+        *(f"- {name}: **{'yes' if value else 'no'}**" for name, value in verdicts.items()),
+        "",
+        f"Runs: {ids}.",
+    ]
+    path = out / "junk_arms.md"
+    path.write_text("\n".join(text) + "\n")
+    return path
 
 
 def _header(runs: Sequence[RunData], uri: str, what: str = "the gate") -> str:
@@ -153,7 +298,7 @@ def write_dose(experiment: str, out: Path, uri: str | None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("gate", "dose"))
+    parser.add_argument("what", choices=("gate", "dose", "arms"))
     parser.add_argument("--scale", default="tiny")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tracking-uri", default=None)
@@ -161,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out or Path("results") / args.scale
     out.mkdir(parents=True, exist_ok=True)
-    if args.what == "dose":
-        print(f"wrote {write_dose(f'junk_dose-{args.scale}', out, args.tracking_uri)}")
+    if args.what in ("dose", "arms"):
+        write = write_dose if args.what == "dose" else write_arms
+        print(f"wrote {write(f'junk_{args.what}-{args.scale}', out, args.tracking_uri)}")
         return 0
     path, result = write_gate(f"junk_gate-{args.scale}", out, args.tracking_uri)
     print(f"wrote {path}")

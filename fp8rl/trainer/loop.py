@@ -316,9 +316,7 @@ class RLTrainer:
         if ratio_ref is not None:
             junk, groups = self._junk_tokens(mb.response_ids), self._token_groups(mb.response_ids, old_logp)
             local.update(
-                ShadowComparison.overclip(
-                    ratio_ref, logp, tokens, self.clip_policy.bounds, self.cfg.algo, junk, groups
-                )
+                ShadowComparison.overclip(ratio_ref, logp, tokens, self.clip_policy.bounds, self.cfg.algo, junk, groups)
             )
         out = combine_shares(self.dims.all_gather_objects(local))
         if not finite:
@@ -438,9 +436,9 @@ def _inverse(micro: list[MicroBatch]) -> torch.Tensor:
 
 def combine_shares(items: list[dict[str, float]]) -> dict[str, float]:
     """The metrics of a whole mini-batch from those of its shares (micro-batches, data-parallel ranks): loss
-    shares and token counts (``train/tokens``, ``clip/count/...``) summed, per-token statistics weighted by tokens, ``p`` ratios recomputed from the
-    combined sign contributions. Ratio quantiles become token-weighted means of the shares' quantiles (an
-    approximation: exact with one share)."""
+    shares and token counts (``train/tokens``, ``clip/count/...``) summed, per-token statistics weighted by
+    tokens, ``p`` ratios recomputed from the combined sign contributions. Ratio quantiles become token-weighted
+    means of the shares' quantiles (an approximation: exact with one share)."""
     if len(items) == 1:
         return dict(items[0])
     weights = [m.get("train/tokens", 1.0) for m in items]
