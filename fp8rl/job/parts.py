@@ -24,6 +24,7 @@ import safetensors.torch
 import torch
 
 from fp8rl import algos
+from fp8rl.ablations import build_ablations, build_probes
 from fp8rl.config import AlgoConfig, ClippingConfig, ConfigError, PrecisionConfig, RunConfig, TaskConfig, to_dict
 from fp8rl.models.config import ModelConfig, get_model_config, with_tokenizer_vocab
 from fp8rl.models.dims import ParallelDims
@@ -330,5 +331,7 @@ def build_parts(
         dims=dims,
         device=device,
         micro_batch_size=micro_batch_size(cfg, layout),
+        ablations=build_ablations(cfg.clipping, task, cfg.trainer.seed),
+        probes=build_probes(task, policy, dims),
     )
     return parts, dataclasses.replace(weights, tensors=None)

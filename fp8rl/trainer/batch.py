@@ -8,6 +8,7 @@ groups (whole groups: advantages are computed within a group).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ from fp8rl.models.dims import SINGLE, ParallelDims
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutBatch, RolloutEngine
 from fp8rl.tasks.base import Problem, Task, batch_rewards, garble_metrics, response_metrics
+from fp8rl.trainer.hooks import MiniBatchAblation
 
 STEP_SEED_STRIDE = 1_000_003
 PROMPT_SALT, SAMPLE_SALT, SHUFFLE_SALT = 1, 2, 3
@@ -65,11 +67,11 @@ class MicroBatch:
     attention_mask: torch.Tensor
     response_len: int
     tokens: algos.TokenBatch
-    overclip_noise: torch.Tensor | None = None  # the synthetic over-clipping ablation's log-ratio noise
+    ablations: tuple[MiniBatchAblation, ...] = ()  # a study's gradient ablations, this micro-batch's share
 
 
 def micro_batches(
-    mb: RolloutBatch, tokens: algos.TokenBatch, size: int | None, overclip_noise: torch.Tensor | None = None
+    mb: RolloutBatch, tokens: algos.TokenBatch, size: int | None, ablations: Sequence[MiniBatchAblation] = ()
 ) -> list[MicroBatch]:
     """A mini-batch cut into micro-batches of `size` rows (pipeline parallelism); one when `size` is None."""
     rows = mb.response_ids.shape[0]
@@ -78,9 +80,9 @@ def micro_batches(
     for start in range(0, rows, size):
         index = torch.arange(start, min(start + size, rows), device=tokens.mask.device)
         part = mb.select(index)
-        noise = None if overclip_noise is None else overclip_noise[index]
+        shares = tuple(ablation.select(index) for ablation in ablations)
         sequences = (part.input_ids, part.attention_mask, part.response_ids.shape[1])
-        items.append(MicroBatch(index, *sequences, tokens.select(index), noise))
+        items.append(MicroBatch(index, *sequences, tokens.select(index), shares))
     return items
 
 

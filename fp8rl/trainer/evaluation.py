@@ -14,11 +14,8 @@ cannot hold "@"), ``eval/S/garbled_rate``, ``eval/S/response_len``, ``eval/S/ent
 ``eval/accuracy`` (the mean of the sets' Avg@k: the headline number), ``eval/garbled_rate``,
 ``eval/response_len``, ``eval/entropy``. In BF16 the same keys under ``eval/bf16/``.
 
-Junk probe (a task with junk tokens, e.g. the chain task; the junk organism's primary measurement):
-``eval/junk_mass``, the policy's probability on junk tokens at every position of the clean reference answers of
-the first ``PROBE_PROBLEMS`` held-out problems (teacher-forced, <eos> position included, in BF16), mean over
-positions, and ``eval/probe_entropy`` at the same positions. It sees junk mass grow long before junk is sampled
-often. Not on a model split over ranks (TP or PP > 1: no rank holds whole logits).
+Probes (`fp8rl.trainer.hooks.EvalProbe`, built by the job: e.g. the junk organism's junk-mass probe,
+`fp8rl.ablations.probes`) add their metrics to each evaluation.
 
 Sample generations: after `run`, ``samples`` holds the first ``SAMPLES_PER_SET`` (problem, sample) rows of every
 set, in each precision (prompt, reference answer, decoded response, reward, why it is garbled if it is), as the
@@ -29,24 +26,22 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Sequence
 
 import torch
 
 from fp8rl.config import EvalConfig
 from fp8rl.models.dims import SINGLE, ParallelDims
-from fp8rl.models.gpt import compute_precision
-from fp8rl.models.logprobs import forward_logits
 from fp8rl.models.policy import Policy
 from fp8rl.models.sampling import SamplingConfig
 from fp8rl.rollout.base import RolloutEngine
 from fp8rl.rollout.builtin import BuiltinEngine
-from fp8rl.tasks.base import Problem, Task, junk_ids
-from fp8rl.trainer.warmstart import teacher_forcing_batch
+from fp8rl.tasks.base import Problem, Task
+from fp8rl.trainer.hooks import EvalProbe
 
 EVAL_SEED = 20_240_611  # base of the fixed per-(problem, sample) sampling seeds
 ROWS_PER_CALL = 512  # prompts per generate call
 SAMPLES_PER_SET = 8  # generations kept per evaluation set and precision (`Evaluator.samples`)
-PROBE_PROBLEMS = 256  # held-out problems of the junk probe
 
 
 class Evaluator:
@@ -60,8 +55,10 @@ class Evaluator:
         sampling: SamplingConfig,
         cfg: EvalConfig,
         dims: ParallelDims = SINGLE,
+        probes: Sequence[EvalProbe] = (),
     ) -> None:
         self.task, self.engine, self.cfg, self.dims = task, engine, cfg, dims
+        self.probes = tuple(probes)
         self.policy = policy
         if cfg.samples == 1:
             self.sampling = dataclasses.replace(sampling, temperature=0.0)
@@ -76,39 +73,9 @@ class Evaluator:
         metrics = self._evaluate(self.engine, "eval/")
         if self.bf16_engine is not None:
             metrics.update(self._evaluate(self.bf16_engine, "eval/bf16/"))
-        if junk_ids(self.task) and not self.dims.model_split:
-            metrics.update(self._junk_probe())
+        for probe in self.probes:
+            metrics.update(probe())
         return metrics
-
-    @torch.no_grad()
-    def _junk_probe(self) -> dict[str, float]:
-        """``eval/junk_mass`` and ``eval/probe_entropy`` (module docstring), this rank's share of the problems
-        summed over data-parallel ranks."""
-        problems = next(iter(self.task.eval_sets.values()))[:PROBE_PROBLEMS]
-        dims, module = self.dims, self.policy.module
-        mine = problems[len(problems) * dims.dp_rank // dims.dp : len(problems) * (dims.dp_rank + 1) // dims.dp]
-        junk = torch.tensor(sorted(junk_ids(self.task)))
-        device = next(module.parameters()).device
-        sums = torch.zeros(3, dtype=torch.float64)  # junk mass, entropy, positions
-        was_training = module.training
-        module.eval()
-        for start in range(0, len(mine), ROWS_PER_CALL):
-            input_ids, attention_mask, loss_mask = (
-                t.to(device) for t in teacher_forcing_batch(self.task, mine[start : start + ROWS_PER_CALL])
-            )
-            with compute_precision("bf16"):
-                logits = forward_logits(module, input_ids, attention_mask)
-            log_probs = torch.log_softmax(logits[:, :-1, : self.task.tokenizer.vocab_size].float(), dim=-1)
-            at = loss_mask[:, 1:].bool()  # the positions that predict an answer token or <eos>
-            mass = log_probs[..., junk.to(device)].exp().sum(-1)
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
-            sums += torch.tensor(
-                [float(mass[at].sum()), float(entropy[at].sum()), float(at.sum())], dtype=torch.float64
-            )
-        module.train(was_training)
-        total = dims.sum(sums)
-        positions = float(total[2]) or 1.0
-        return {"eval/junk_mass": float(total[0]) / positions, "eval/probe_entropy": float(total[1]) / positions}
 
     def _evaluate(self, engine: RolloutEngine, prefix: str) -> dict[str, float]:
         sets = self.task.eval_sets.items()

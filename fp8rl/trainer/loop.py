@@ -6,6 +6,7 @@ launcher, no tracker and no config file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -32,17 +33,15 @@ from fp8rl.trainer.batch import (
     StepBatch,
     StepSampler,
     micro_batches,
-    step_generator,
     step_seed,
 )
 from fp8rl.trainer.evaluation import Evaluator
+from fp8rl.trainer.hooks import EvalProbe, GradientAblation, MiniBatchAblation, UpdateSite
 from fp8rl.trainer.optim import PolicyOptimizer
 from fp8rl.trainer.precision import PrecisionPlan, running_in
 from fp8rl.trainer.shadow import ShadowComparison, ratio_histogram, sequence_keys
 
 log = logging.getLogger(__name__)
-OVERCLIP_SALT = 4  # the synthetic over-clipping ablation's noise: seeded by (seed, step, update, rank)
-DROP_SALT = 5  # the junk organism's class-targeted removal draws: seeded by (seed, step, update, rank)
 
 
 @dataclass
@@ -61,6 +60,8 @@ class Parts:
     dims: ParallelDims = SINGLE
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     micro_batch_size: int | None = None  # rows per forward/backward pass (None: a mini-batch / batch at once)
+    ablations: tuple[GradientAblation, ...] = ()  # a study's gradient ablations (`fp8rl.trainer.hooks`)
+    probes: tuple[EvalProbe, ...] = ()  # a study's evaluation probes
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,9 @@ class RLTrainer:
         self.clip_policy, self.plan, self.dims = parts.clip_policy, parts.plan, parts.dims
         self.objective = parts.objective
         self.sampler = StepSampler(self.task, self.engine, self.sampling, cfg.algo, cfg.trainer.seed, self.dims)
-        self.evaluator = Evaluator(self.task, self.engine, self.policy, self.sampling, cfg.eval, self.dims)
+        self.evaluator = Evaluator(
+            self.task, self.engine, self.policy, self.sampling, cfg.eval, self.dims, parts.probes
+        )
         self.step = 0
         self.bad_steps_in_a_row = 0
         self.model.train()
@@ -234,10 +237,10 @@ class RLTrainer:
                 if shadow is not None and updates_done >= 1:  # after an update: pi_theta != pi_old
                     ratio_ref = shadow.bf16_ratio(mb, rows)
                 reference = None if reference_logp is None else reference_logp[rows]
-                noise = self._overclip_noise(step, updates_done, old_logp[rows])
-                dropped = self._dropped_negatives(step, updates_done, mb, mb_mask, data.adv[rows])
+                site = UpdateSite(step, updates_done, self.dims.dp_rank, mb, mb_mask, data.adv[rows], old_logp[rows])
+                ablations = self._ablations(site)
                 metrics, logp, good = self.minibatch_update(
-                    mb, mb_mask, old_logp[rows], data.adv[rows], ratio_ref, reference, noise, dropped
+                    mb, mb_mask, old_logp[rows], data.adv[rows], ratio_ref, reference, ablations
                 )
                 if ratio_ref is not None and good:
                     keys = sequence_keys(mb.response_ids, mb_mask)
@@ -250,13 +253,10 @@ class RLTrainer:
             return {"train/empty_batch": 1.0}, True
         return _mean_metrics(collected), True
 
-    def _overclip_noise(self, step: int, update: int, old_logp: torch.Tensor) -> torch.Tensor | None:
-        """The synthetic over-clipping ablation's log-ratio noise (rows, response_len), None when it is off."""
-        std = self.cfg.clipping.synthetic_overclip_std
-        if not std:
-            return None
-        gen = step_generator(self.cfg.trainer.seed, step * 1009 + update * 31 + self.dims.dp_rank, OVERCLIP_SALT)
-        return (torch.randn(old_logp.shape, generator=gen, dtype=torch.float32) * std).to(old_logp.device)
+    def _ablations(self, site: UpdateSite) -> tuple[MiniBatchAblation, ...]:
+        """The study ablations acting on this update (none by default)."""
+        chosen = (ablation.for_update(site) for ablation in self.parts.ablations)
+        return tuple(a for a in chosen if a is not None)
 
     def _junk_tokens(self, response_ids: torch.Tensor) -> torch.Tensor | None:
         """Where `response_ids` holds the task's junk tokens (bool), None for a task without them."""
@@ -278,26 +278,14 @@ class RLTrainer:
         groups.update(algos.p_old_groups(old_logp))
         return groups
 
-    def _dropped_negatives(self, step: int, update: int, mb: RolloutBatch, mask, adv) -> torch.Tensor | None:
-        """The junk organism's class-targeted removal (``clipping.synthetic_drop_neg``): the negative-advantage
-        tokens whose gradient this mini-batch zeroes, (rows, response_len) bool; None when it is off."""
-        c = self.cfg.clipping
-        if not c.synthetic_drop_neg:
-            return None
-        gen = step_generator(self.cfg.trainer.seed, step * 1009 + update * 31 + self.dims.dp_rank, DROP_SALT)
-        uniform = torch.rand(mb.response_ids.shape, generator=gen).to(mb.response_ids.device)
-        in_class = self._junk_tokens(mb.response_ids)
-        matched = c.synthetic_drop_class == "matched_other"
-        return algos.synthetic_class_drop_mask(adv, mask, in_class, uniform, c.synthetic_drop_neg, matched)
-
-    def minibatch_update(self, mb, mask, old_logp, adv, ratio_ref, reference_logp, overclip_noise=None, dropped=None):
+    def minibatch_update(self, mb, mask, old_logp, adv, ratio_ref, reference_logp, ablations=()):
         """One optimizer step on this rank's share of a mini-batch, with the loss normalised over the whole
-        global mini-batch; `dropped`: tokens whose gradient is zeroed (an ablation). Returns (metrics, detached
+        global mini-batch; `ablations`: a study's tokens whose gradient is zeroed. Returns (metrics, detached
         log-probs (rows, response_len), whether it was applied)."""
         correction = self.objective.correct(old_logp, mb.rollout_logp, mask)  # once per mini-batch
         denominator = float(self.dims.sum(torch.tensor(self.objective.count(correction), dtype=torch.float64)))
-        tokens = algos.TokenBatch(old_logp, adv, mask, correction, reference_logp, dropped)
-        micro = micro_batches(mb, tokens, self.parts.micro_batch_size, overclip_noise)
+        tokens = algos.TokenBatch(old_logp, adv, mask, correction, reference_logp)
+        micro = micro_batches(mb, tokens, self.parts.micro_batch_size, ablations)
         loss_fn = partial(self._loss, denominator=denominator)
         self.parts.optimizer.zero_grad()
         try:
@@ -334,12 +322,12 @@ class RLTrainer:
         (loss, float metrics)."""
         bounds = self.clip_policy.bounds
         tokens = mb.tokens
-        if mb.overclip_noise is not None:  # the positive control's synthetic over-clipping (an ablation)
+        if mb.ablations:  # a study's tokens whose gradient is zeroed
             log_ratio = logp.detach().float() - tokens.old_logp.float()
-            zeroed = algos.synthetic_overclip_mask(log_ratio, tokens.adv, tokens.mask, mb.overclip_noise, bounds[0])
+            zeroed = [ablation.zeroed(log_ratio, tokens, bounds[0]) for ablation in mb.ablations]
             if tokens.grad_zero_mask is not None:
-                zeroed = zeroed | tokens.grad_zero_mask
-            tokens = dataclasses.replace(tokens, grad_zero_mask=zeroed)
+                zeroed.append(tokens.grad_zero_mask)
+            tokens = dataclasses.replace(tokens, grad_zero_mask=functools.reduce(torch.logical_or, zeroed))
         loss, metrics = self.objective(logp, entropy, tokens, bounds, denominator)
         # The loss is this rank's share of the global loss; Megatron DDP averages gradients over DP ranks.
         scale = self.dims.dp if self.parts.optimizer.averages_over_data_parallel else 1
