@@ -84,7 +84,7 @@ UI_OUT ?= results/ui
 ui-snapshot: setup  ## screenshots of the MLflow UI into results/ui/
 	@command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 	@$(PY) -c "import playwright" 2>/dev/null || $(PIP) install -q --disable-pip-version-check -e '.[ui]'
-	$(PY) -m fp8rl.tracking.ui_snapshot --experiment fp8rl-demo --out $(UI_OUT)
+	$(VENV)/bin/fp8rl ui-snapshot --experiment fp8rl-demo --out $(UI_OUT)
 
 # scale=mini's assets: a random Qwen3-architecture checkpoint with a BPE tokenizer and math data files in the
 # published schemas (made-up problems), written once to .cache/mini.
@@ -92,7 +92,7 @@ MINI := .cache/mini
 mini-assets: setup $(MINI)/model/config.json  ## scale=mini assets (a random Qwen3-shaped checkpoint, math files) in .cache/mini
 
 $(MINI)/model/config.json:
-	$(PY) -m fp8rl.tasks.math.mini --out $(MINI)
+	$(VENV)/bin/fp8rl mini-assets --out $(MINI)
 
 bench: setup  ## the CPU benchmarks into results/bench/ (ratios in one run, with provenance)
 	$(PY) benchmarks/quant_throughput.py --out $(BENCH_OUT)/quant_throughput.json

@@ -11,6 +11,8 @@
     fp8rl report table grpo_granularity                         # a table / figures of results/<scale>/
     fp8rl study mechanism                                       # a study: mechanism, collapse, kernel-spread, ...
     fp8rl docs                                                  # regenerate the generated docs tables
+    fp8rl sync outputs/<run folder>                             # upload a run's WAL once MLflow is back
+    fp8rl ui-snapshot | fp8rl mini-assets --out DIR             # maintainers' tools (make ui-snapshot, mini-assets)
 """
 
 from __future__ import annotations
@@ -81,6 +83,15 @@ PASSTHROUGH = {
     "train": ("fp8rl.train", "one run: Hydra overrides, e.g. scale=tiny precision=fp8_full (python -m fp8rl.train)"),
     "demo": ("fp8rl.demo", "BF16 vs vanilla FP8 vs FP8 + Calibrated Clipping on the tiny task (make demo)"),
     "report": ("fp8rl.report.__main__", "tables and figures of results/<scale>/ from MLflow (python -m fp8rl.report)"),
+    "sync": ("fp8rl.tracking.sync", "upload a run's write-ahead log to MLflow once the store is back"),
+    "ui-snapshot": (
+        "fp8rl.tracking.ui_snapshot",
+        "PNG snapshots of the MLflow UI for an experiment (make ui-snapshot)",
+    ),
+    "mini-assets": (
+        "fp8rl.tasks.math.mini",
+        "write the offline mini math assets: model, tokenizer, data (make mini-assets)",
+    ),
 }
 STUDIES = {
     "mechanism": "fp8rl.studies.mechanism",

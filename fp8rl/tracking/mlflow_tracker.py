@@ -21,7 +21,7 @@ The trainer is handed a `Tracker`; the maths never imports this module.
 - Offline (store unreachable at start, or lost mid-run): records stay in the WAL; the store is probed
   again every ``RETRY_EVERY_S`` seconds and, once it answers, the run is created (or continued) and the
   WAL is uploaded in order. A run that ends offline leaves its WAL and says how to upload it later
-  (``python -m fp8rl.tracking.sync <run folder>``).
+  (``fp8rl sync <run folder>``).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ class MlflowTracker:
             self._write_wal({"kind": "end", "status": status})
             log.error(
                 "MLflow was unreachable at the end of the run: its records are in %s; upload them with "
-                "`python -m fp8rl.tracking.sync %s` once the store is back",
+                "`fp8rl sync %s` once the store is back",
                 self.wal_path,
                 self.wal_path.parent,
             )
@@ -246,7 +246,7 @@ class MlflowTracker:
             missing = sorted(self._wal_steps() - self._confirmed)
             self._write_wal({"kind": "end", "status": intended})
             log.error(
-                "steps %s did not reach MLflow (run marked %s); they stay in %s: `python -m fp8rl.tracking.sync %s` "
+                "steps %s did not reach MLflow (run marked %s); they stay in %s: `fp8rl sync %s` "
                 "uploads them and marks the run",
                 _ranges(missing),
                 status,

@@ -46,7 +46,7 @@ def sync(run_folder: str | Path, tracking_uri: str | None = None, connect_timeou
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fp8rl.tracking.sync", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="fp8rl sync", description=__doc__.split("\n")[0])
     parser.add_argument("run_folder", help="the run's folder (trainer.out_dir), holding tracking_wal.jsonl")
     parser.add_argument("--tracking-uri", default=None, help="the MLflow store (default: $MLFLOW_TRACKING_URI)")
     args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ sidebar on "Model training" and MLflow's assistant panel closed (both are rememb
 local storage). Writes ``<out>/*.png`` and ``<out>/PROVENANCE.json`` (run ids, the store without local
 paths, the builder's provenance).
 
-    python -m fp8rl.tracking.ui_snapshot --experiment fp8rl-demo --out results/ui
+    fp8rl ui-snapshot --experiment fp8rl-demo --out results/ui
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def snapshot(tracking_uri: str, experiment: str, out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fp8rl.tracking.ui_snapshot", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="fp8rl ui-snapshot", description=__doc__.split("\n")[0])
     parser.add_argument("--experiment", default="fp8rl-demo")
     parser.add_argument("--out", type=Path, default=Path("results/ui"))
     parser.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or ./mlflow.db")

@@ -75,7 +75,8 @@ def test_one_command_lists_everything_a_user_runs(capsys: pytest.CaptureFixture[
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for command in ("train", "demo", "sweep", "compare", "experiments", "report", "study", "docs"):
+    commands = ("train", "demo", "sweep", "compare", "experiments", "report", "study", "docs", "sync", "ui-snapshot")
+    for command in (*commands, "mini-assets"):
         assert f"    {command}" in out, command
 
 
@@ -94,6 +95,13 @@ def test_train_and_studies_hand_the_rest_of_the_line_to_their_module(monkeypatch
     assert seen["run_name"] == "__main__"  # Hydra finds sweeps/ from the script's file
     assert main(["study", "mechanism", "--lrs", "1e-6"]) == 3  # the study's exit status
     assert seen["study"] == ["--lrs", "1e-6"]
+
+
+def test_sync_runs_the_wal_upload_with_its_own_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`fp8rl sync` is `python -m fp8rl.tracking.sync`, under the command's name."""
+    with pytest.raises(SystemExit):
+        main(["sync", "--help"])
+    assert "usage: fp8rl sync" in capsys.readouterr().out
 
 
 def test_docs_check_passes_on_the_committed_tables() -> None:

@@ -427,7 +427,7 @@ def write_mini_assets(folder: str | Path, seed: int = 0) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m fp8rl.tasks.math.mini --out DIR [--seed N]``: write the mini assets and list them."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="fp8rl mini-assets", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder to write into (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="fixes the problems, the tokenizer and the weights")
     args = parser.parse_args(argv)
