@@ -16,16 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from fp8rl import algos
-from fp8rl.trainer.batch import step_generator
+from fp8rl.trainer.batch import step_generator, update_key
 from fp8rl.trainer.hooks import UpdateSite
 
 OVERCLIP_SALT = 4  # the synthetic over-clipping's noise
 DROP_SALT = 5  # the class-targeted removal's draws
-
-
-def update_key(site: UpdateSite) -> int:
-    """The generator key of an update: (step, update, rank) in one number."""
-    return site.step * 1009 + site.update * 31 + site.rank
 
 
 @dataclass(frozen=True)
@@ -34,7 +29,7 @@ class SyntheticOverclip:
     seed: int
 
     def for_update(self, site: UpdateSite) -> LogRatioNoise:
-        gen = step_generator(self.seed, update_key(site), OVERCLIP_SALT)
+        gen = step_generator(self.seed, update_key(site.step, site.update, site.rank), OVERCLIP_SALT)
         noise = torch.randn(site.old_logp.shape, generator=gen, dtype=torch.float32) * self.std
         return LogRatioNoise(noise.to(site.old_logp.device))
 
@@ -60,7 +55,7 @@ class ClassDrop:
     seed: int
 
     def for_update(self, site: UpdateSite) -> FixedTokens:
-        gen = step_generator(self.seed, update_key(site), DROP_SALT)
+        gen = step_generator(self.seed, update_key(site.step, site.update, site.rank), DROP_SALT)
         ids = site.batch.response_ids
         uniform = torch.rand(ids.shape, generator=gen).to(ids.device)
         in_class = torch.isin(ids, torch.tensor(sorted(self.class_ids), device=ids.device))

@@ -35,6 +35,16 @@ def step_generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(step_seed(seed, step, salt))
 
 
+def epoch_key(step: int, epoch: int) -> int:
+    """The key of a step's PPO epoch for `step_seed` (its mini-batch shuffle)."""
+    return step * 131 + epoch
+
+
+def update_key(step: int, update: int, rank: int) -> int:
+    """The key of one mini-batch update on one data-parallel rank for `step_seed` (a study's ablation draws)."""
+    return step * 1009 + update * 31 + rank
+
+
 def row_seeds(seed: int, step: int, round_: int, rows: range) -> list[int]:
     """One sampling seed per global row index of a step's round (the same whatever rank samples the row)."""
     base = step_generator(seed, step, salt=SAMPLE_SALT if round_ == 0 else 200 + round_)

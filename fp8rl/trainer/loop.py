@@ -32,6 +32,7 @@ from fp8rl.trainer.batch import (
     MicroBatch,
     StepBatch,
     StepSampler,
+    epoch_key,
     micro_batches,
     step_seed,
 )
@@ -228,7 +229,7 @@ class RLTrainer:
         loss_mask = data.loss_mask
         updates_done = 0
         for epoch in range(self.cfg.algo.ppo_epochs):
-            for rows in self.minibatches(data.adv.shape[0], step * 131 + epoch):
+            for rows in self.minibatches(data.adv.shape[0], epoch_key(step, epoch)):
                 rows = rows.to(self.parts.device)
                 mb, mb_mask = data.rollout.select(rows), loss_mask[rows]
                 if float(self.dims.sum(mb_mask.sum().double().cpu())) == 0:  # DAPO dropped every group: no step
