@@ -97,6 +97,7 @@ $(MINI)/model/config.json:
 bench: setup  ## the CPU benchmarks into results/bench/ (ratios in one run, with provenance)
 	$(PY) benchmarks/quant_throughput.py --out $(BENCH_OUT)/quant_throughput.json
 	$(PY) benchmarks/clip_overhead.py --out $(BENCH_OUT)/clip_overhead.json
+	$(PY) benchmarks/gemm_floor.py --out $(BENCH_OUT)/gemm_floor.json
 	$(PY) benchmarks/rl_step.py --profile 12 --out $(BENCH_OUT)/rl_step.json
 	@# glibc's own tunables keep freed buffers in the process (speed only; benchmarks/README.md)
 	MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 $(PY) benchmarks/rl_step.py --out $(BENCH_OUT)/rl_step.malloc-keep-freed.json
