@@ -3,9 +3,7 @@ for BF16 and full-pipeline FP8 (emulated) measured side by side in one run (the 
 step by step), as ratios to BF16.
 
 Targets (issue 4): a full-pipeline FP8 step costs at most 1.5x a BF16 step; Calibrated Clipping at
-K = 20 adds at most 5% to the average step (its two BF16 shadow forwards every K steps). Each recipe also
-runs with ``precision.compile_quantize`` (``+compile``: bit-identical quantization by torch.compile; its
-compilation falls in the warm-up step).
+K = 20 adds at most 5% to the average step (its two BF16 shadow forwards every K steps).
 
     .venv/bin/python benchmarks/rl_step.py [--steps 5] [--out results/bench/rl_step.json]
 """
@@ -38,15 +36,6 @@ CONFIGS = {
         "precision.mode": "fp8_full",
         "precision.recipe": "tensorwise",
         "trainer.shadow_every": 1,
-    },
-    # precision.compile_quantize: the same numbers (bit-identical quantization), compiled
-    **{
-        f"fp8_full-{recipe}+compile": {
-            "precision.mode": "fp8_full",
-            "precision.recipe": recipe,
-            "precision.compile_quantize": True,
-        }
-        for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8")
     },
 }
 

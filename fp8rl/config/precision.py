@@ -47,12 +47,6 @@ class PrecisionConfig:
     compute: str = option(
         "bf16", "precision of everything that is not an FP8 GEMM: bf16 autocast, or fp32 (tests)", neutral=("bf16",)
     )
-    compile_quantize: bool = option(
-        False,
-        "emulated FP8: quantize current-scaled operands with torch.compile (bit-identical to eager, faster once "
-        "compiled: a few seconds per recipe and process)",
-        hashed=False,
-    )
 
     def __post_init__(self) -> None:
         _one_of(self.mode, PRECISION_MODES, "precision.mode")

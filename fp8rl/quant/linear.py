@@ -124,7 +124,7 @@ def _quantize_operand(
     """Quantize one GEMM operand (rows, reduction); delayed scaling reads and updates `state`."""
     if recipe.scaling != "delayed" or state is None:
         if amax_reduce is None or granularity != "tensor":
-            return quantize(t, fmt, granularity, recipe.uses_pow2_scales, compile=recipe.compile_quantize)
+            return quantize(t, fmt, granularity, recipe.uses_pow2_scales)
         local_amax = block_amax(t.reshape(-1, t.shape[-1]), "tensor")
         _check_finite(local_amax, "raise")
         return quantize(t, fmt, granularity, recipe.uses_pow2_scales, amax=amax_reduce(role, local_amax))
@@ -202,7 +202,7 @@ def _quantize_transposed(t: torch.Tensor, q: Fp8Tensor, granularity: str, fmt: s
     """Quantize t^T along t's rows (the other GEMM usage); reuses `q` when the blocks are symmetric."""
     if _is_symmetric(granularity, q, fmt):
         return q.t()
-    return quantize(t, fmt, TRANSPOSED[granularity], recipe.uses_pow2_scales, compile=recipe.compile_quantize).t()
+    return quantize(t, fmt, TRANSPOSED[granularity], recipe.uses_pow2_scales).t()
 
 
 def _transposed_operand(
@@ -297,9 +297,7 @@ def _weight_operand(
         amax = amax_reduce("w", cached["local_amax"])
         key = (*key, float(amax))
     if (key, False) not in cached:
-        qw = quantize(
-            weight.detach(), fmt, granularity, recipe.uses_pow2_scales, amax=amax, compile=recipe.compile_quantize
-        )
+        qw = quantize(weight.detach(), fmt, granularity, recipe.uses_pow2_scales, amax=amax)
         cached[key, False] = qw
         cached[key, False, compute_dtype] = gemm_input(qw, compute_dtype)
     if (key, False, compute_dtype) not in cached:

@@ -73,7 +73,6 @@ class Fp8Recipe:
     amax_compute_algo: str = "max"  # delayed scaling: "max" over the history or "most_recent"
     margin: int = 0  # delayed scaling: scale divided by 2^margin for headroom
     pow2_scale: bool | None = None  # round scales up to powers of two (mxfp8 always); None = the preset's
-    compile_quantize: bool = False  # current scaling: `quantize(..., compile=True)` (bit-identical, faster)
 
     def __post_init__(self) -> None:
         if self.name not in RECIPE_NAMES:
@@ -141,7 +140,6 @@ def recipe_of(precision: Any) -> Fp8Recipe:
         margin=p.margin,
         amax_history_len=p.amax_history_len,
         amax_compute_algo=p.amax_compute_algo,
-        compile_quantize=getattr(p, "compile_quantize", False),
     )
 
 

@@ -293,8 +293,8 @@ def quantize(
             scales from the finite elements and writes NaN for every non-finite element.
         amax: precomputed amax shaped like the scales (delayed scaling); default: the current amax.
         compile: with current scaling (no `amax` given), run amax, scales and cast as one
-            `torch.compile`d graph (opt-in fast path, bit-identical to eager; compiled for dynamic
-            shapes once per dtype, granularity and format, and run eagerly past dynamo's recompile limit).
+            `torch.compile`d graph (opt-in fast path, bit-identical to eager; compiles once per
+            shape, dtype, granularity and format, and runs eagerly past dynamo's recompile limit).
     """
     fp8 = get_format(fmt)
     check_granularity(granularity)
@@ -413,14 +413,12 @@ def _quantize_compiled(
 
 @functools.cache
 def _compiled_quantize_2d():
-    """`torch.compile`d `_quantize_2d`: the eager path's ops, so its bits. Dynamic shapes: an RL step's operands
-    change their row count every pass, and amax (a max), the scale and the division are exact whatever the
-    kernel's loop order.
+    """`torch.compile`d `_quantize_2d`: the eager path's ops, so its bits.
 
     Bit-identity with the eager path is asserted by tests/quant/test_tensor.py and by
     benchmarks/quant_throughput.py.
     """
-    return torch.compile(_quantize_2d, dynamic=True, options=_eager_division_option())
+    return torch.compile(_quantize_2d, dynamic=False, options=_eager_division_option())
 
 
 def _eager_division_option() -> dict[str, bool]:
