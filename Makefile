@@ -205,7 +205,7 @@ junk-arms: setup  ## junk organism: the FP8 arms (BF16, vanilla FP8, FP8 + Calib
 collapse: junk-gate  ## the collapse study: the junk organism's gate, then (if it passes) dose, pilot and arms
 	@$(PY) -m fp8rl.studies.junk_organism gate --scale tiny --out results/tiny --stop; status=$$?; \
 	if [ $$status -eq 3 ]; then exit 0; elif [ $$status -ne 0 ]; then exit $$status; fi; \
-	$(MAKE) junk-dose junk-fp8-pilot junk-arms
+	$(MAKE) junk-dose && $(MAKE) junk-fp8-pilot && $(MAKE) junk-arms  # one after another, even under make -j
 
 reproduce: $(if $(filter tiny,$(SCALE)),mechanism) table-grpo table-dapo ablation $(if $(filter tiny,$(SCALE)),stress) figures  ## every table and figure of results/<scale>/
 	$(REPORT) index

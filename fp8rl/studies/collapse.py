@@ -1,4 +1,4 @@
-"""The CPU-scale collapse study's pre-registered rules, applied to finished runs (``make collapse``).
+"""The 2026-12-01 collapse study's pre-registered rules, applied to finished runs (``make collapse-reject``).
 
 The design, the endpoints and the rules below were committed (results/studies/2026-12-01-collapse.md) before any
 run; this module only evaluates them, so the verdicts are computed, never typed:

@@ -1,7 +1,8 @@
-"""The junk organism's pre-registered gate, applied to finished runs (``make junk-gate``).
+"""The junk organism's pre-registered rules, applied to finished runs (``make collapse``: ``junk-gate``,
+``junk-dose``, ``junk-arms``).
 
-The design and the rule were committed (results/studies/2026-12-06-junk-organism.md) before any run; this module
-only evaluates the rule, so the verdict is computed, never typed:
+The design and each rule were committed (results/studies/2026-12-06-junk-organism.md) before the runs they judge;
+this module only evaluates the rules, so the verdicts are computed, never typed:
 
 - ``gate``: the positive control (BF16 with every negative-advantage junk token's gradient removed,
   ``clipping.synthetic_drop_neg=1``) passes if its junk-mass probe (``eval/junk_mass``, the mean of its last 3
