@@ -84,13 +84,20 @@ def junk_differences(runs: Sequence[RunData]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["arm", "seed", "junk mass", "minus BF16"])
 
 
-def dose_verdict(differences: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, bool]]:
-    """Per arm: n, mean difference and its 95% t-interval; and the two pre-registered verdicts (module docstring)."""
+def arm_intervals(differences: pd.DataFrame) -> pd.DataFrame:
+    """Per arm of `junk_differences`: n, the mean difference from BF16 and its 95% t-interval over the seeds."""
     summary = []
     for arm, rows in differences.groupby("arm", sort=False):
         mean, low, high = t_interval(rows["minus BF16"].tolist())
-        summary.append({"arm": arm, "q": DOSES.get(arm), "n": len(rows), "mean": mean, "low": low, "high": high})
-    table = pd.DataFrame(summary).sort_values("q", na_position="last", kind="stable")
+        summary.append({"arm": arm, "n": len(rows), "mean": mean, "low": low, "high": high})
+    return pd.DataFrame(summary)
+
+
+def dose_verdict(differences: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, bool]]:
+    """Per arm: n, mean difference and its 95% t-interval; and the two pre-registered verdicts (module docstring)."""
+    table = arm_intervals(differences)
+    table.insert(1, "q", table["arm"].map(DOSES))
+    table = table.sort_values("q", na_position="last", kind="stable")
     by_arm = table.set_index("arm")
     means = [by_arm.loc[arm, "mean"] for arm in DOSES if arm in by_arm.index]
     full = by_arm.loc["control_dropjunk"] if "control_dropjunk" in by_arm.index else None
@@ -162,11 +169,7 @@ def arms_verdicts(
 ) -> tuple[pd.DataFrame, dict[str, bool]]:
     """The four pre-registered endpoints of the FP8 arms (module docstring): the per-arm t-intervals of the
     junk-mass differences and the verdicts."""
-    summary = []
-    for arm, rows in differences.groupby("arm", sort=False):
-        mean, low, high = t_interval(rows["minus BF16"].tolist())
-        summary.append({"arm": arm, "n": len(rows), "mean": mean, "low": low, "high": high})
-    table = pd.DataFrame(summary).set_index("arm")
+    table = arm_intervals(differences).set_index("arm")
     includes_zero = all(arm in table.index and table.loc[arm, "low"] <= 0 <= table.loc[arm, "high"] for arm in FP8_ARMS)
     fp8_surged = bool(surged[surged["arm"].isin(FP8_ARMS)]["surged"].any())
 
@@ -203,10 +206,7 @@ def write_arms(experiment: str, out: Path, uri: str | None) -> Path:
         raise SystemExit(f"{experiment} needs finished BF16, {VANILLA_ARM} and {CC_ARM} runs of the same seeds")
     shares, surged = breakdown(runs), surges(runs)
     table, verdicts = arms_verdicts(differences, shares, surged)
-    ids = ", ".join(f"`{r.run_id}` ({r.group[0]}, seed {run_seed(r)})" for r in runs)
-    text = [
-        _header(runs, uri, "the FP8 arms"),
-        "",
+    sections = [
         "Junk mass (probe, mean of the last 3 evaluations) and its difference from BF16's of the same seed:",
         "",
         differences.to_markdown(index=False, floatfmt=".5f"),
@@ -226,11 +226,17 @@ def write_arms(experiment: str, out: Path, uri: str | None) -> Path:
         "",
         shares.to_markdown(index=False, floatfmt=".4f"),
         "",
-        *(f"- {name}: **{'yes' if value else 'no'}**" for name, value in verdicts.items()),
-        "",
-        f"Runs: {ids}.",
     ]
-    path = out / "junk_arms.md"
+    return _write_report(out / "junk_arms.md", runs, uri, "the FP8 arms", sections, verdicts)
+
+
+def _write_report(
+    path: Path, runs: Sequence[RunData], uri: str, what: str, sections: list[str], verdicts: dict[str, bool]
+) -> Path:
+    """A verdict file: the header, the sections, the verdicts as yes/no lines, and the run ids read."""
+    ids = ", ".join(f"`{r.run_id}` ({r.group[0]}, seed {run_seed(r)})" for r in runs)
+    verdict_lines = [f"- {name}: **{'yes' if value else 'no'}**" for name, value in verdicts.items()]
+    text = [_header(runs, uri, what), "", *sections, *verdict_lines, "", f"Runs: {ids}."]
     path.write_text("\n".join(text) + "\n")
     return path
 
@@ -276,10 +282,7 @@ def write_dose(experiment: str, out: Path, uri: str | None) -> Path:
     if differences.empty:
         raise SystemExit(f"{experiment} needs finished BF16 runs and removal runs of the same seeds")
     table, verdicts = dose_verdict(differences)
-    ids = ", ".join(f"`{r.run_id}` ({r.group[0]}, seed {run_seed(r)})" for r in runs)
-    text = [
-        _header(runs, uri, "the dose-response and the targeting control"),
-        "",
+    sections = [
         "Junk mass (probe, mean of the last 3 evaluations) minus BF16's of the same seed:",
         "",
         differences.to_markdown(index=False, floatfmt=".5f"),
@@ -288,13 +291,9 @@ def write_dose(experiment: str, out: Path, uri: str | None) -> Path:
         "",
         table.to_markdown(index=False, floatfmt=".5f"),
         "",
-        *(f"- {name}: **{'yes' if value else 'no'}**" for name, value in verdicts.items()),
-        "",
-        f"Runs: {ids}.",
     ]
-    path = out / "junk_dose.md"
-    path.write_text("\n".join(text) + "\n")
-    return path
+    what = "the dose-response and the targeting control"
+    return _write_report(out / "junk_dose.md", runs, uri, what, sections, verdicts)
 
 
 def main(argv: list[str] | None = None) -> int:
