@@ -33,7 +33,7 @@ REPORT = $(PY) -m fp8rl.report --scale $(SCALE) --out $(RESULTS)
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(firstword $(MAKEFILE_LIST)) | sed -E 's/^([a-z-]+):.*## (.*)/\1\t\2/' | awk -F'\t' '{printf "  %-18s %s\n", $$1, $$2}'
 
-.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-bundle gpu-check collapse collapse-reject collapse-pilot collapse-control junk-gate junk-dose junk-fp8-pilot junk-arms
+.PHONY: help setup golden ship-warmstart kernel-spread test test-long test-fast test-distributed lint docs demo ui-snapshot mini-assets bench mlflow-ui clean tables slurm-up slurm-down slurm-purge test-integration setup-vllm test-vllm bench-rollout sweep compare bench-launch mechanism table-grpo table-dapo ablation stress figures reproduce gpu-bundle gpu-check collapse collapse-reject collapse-pilot collapse-control junk-gate junk-dose junk-fp8-pilot junk-arms
 
 setup: $(STAMP)  ## the venv with torch (CPU) and fp8rl[dev,bench]; every target runs it (idempotent)
 
@@ -148,6 +148,12 @@ kernel-spread: setup  ## the demo under three CPU kernel settings: how far its r
 
 figures: setup  ## the figures from MLflow
 	$(REPORT) figures
+
+# Every table of results/<scale>/ re-rendered in the current layout from its own *.runs.csv / *.runs.json: the same
+# numbers, no MLflow store needed (the published tables' store is not kept).
+tables: setup  ## re-render every table of results/<scale>/ from its own per-run files, and the index
+	$(REPORT) rebuild
+	$(REPORT) index
 
 # The CPU-scale collapse study (design and pre-registered endpoints in results/studies/2026-12-01-collapse.md): the lr pilot (the
 # noise-to-signal criterion), the positive control (BF16 + synthetic over-clipping, with BF16 seed 0 beside

@@ -1,6 +1,8 @@
 """``python -m fp8rl.report --scale tiny --out results/tiny <what>``: rebuild results from MLflow.
 
 table EXP [EXP ...]   the paper table of each sweep experiment (MLflow experiment ``EXP-<scale>``)
+rebuild [EXP ...]     re-render tables from their own ``*.runs.csv`` / ``*.runs.json`` in the output folder (no
+                      MLflow store; default: every table there)
 mechanism             the one-step mechanism study's tables (experiment ``mechanism-<scale>``)
 reruns EXP [EXP ...]  whether each run of EXP that repeats a config hash of another experiment reproduced it
 figures               training curves of every table present in MLflow, and the mechanism plots
@@ -46,6 +48,21 @@ def cmd_table(args: argparse.Namespace) -> list[Path]:
     for experiment in args.experiments:
         columns = tables.columns_of(experiment)
         written += tables.write_table(f"{experiment}-{args.scale}", args.out, columns, tracking_uri=args.tracking_uri)
+    return written
+
+
+def cmd_rebuild(args: argparse.Namespace) -> list[Path]:
+    unknown = sorted(set(args.experiments) - set(TABLE_EXPERIMENTS))
+    if unknown:
+        raise SystemExit(f"unknown table(s) {unknown}; valid: {list(TABLE_EXPERIMENTS)}")
+    experiments = args.experiments or [
+        e for e in TABLE_EXPERIMENTS if (args.out / f"{e}-{args.scale}.runs.csv").exists()
+    ]
+    if not experiments:
+        raise SystemExit(f"no table's *.runs.csv in {args.out}: nothing to re-render")
+    written = []
+    for experiment in experiments:
+        written += tables.rebuild_table(f"{experiment}-{args.scale}", args.out, tables.columns_of(experiment))
     return written
 
 
@@ -99,7 +116,11 @@ def cmd_index(args: argparse.Namespace) -> list[Path]:
     lines = [
         f"# results/{args.out.name}: built by `make reproduce SCALE={args.scale}`",
         "",
-        f"Generated {record['generated']} from MLflow `{uri}` at git {record['builder'].get('git_sha', '?')[:10]}"
+        "Each table's first line says whether it was built from MLflow or re-rendered from its own `*.runs.csv` "
+        "(`make tables`).",
+        "",
+        f"Index generated {record['generated']} (MLflow store: `{uri}`) at git "
+        f"{record['builder'].get('git_sha', '?')[:10]}"
         f"{' (dirty)' if record['builder'].get('git_dirty') == 'true' else ''} on "
         f"{record['builder'].get('machine.hostname', '?')} ({record['builder'].get('machine.cpu_count', '?')} CPUs, "
         f"torch {record['builder'].get('version.torch', '?')}). Every run id is in PROVENANCE.json and the "
@@ -112,6 +133,16 @@ def cmd_index(args: argparse.Namespace) -> list[Path]:
         rel = f.relative_to(args.out)
         n = sources.get(f.name.replace(".md", ".runs.json"), {}).get("run_ids")
         lines.append(f"| [{rel}]({rel}) | {len(n) if n else ''} |")
+    lines += [
+        "",
+        "## Columns",
+        "",
+        "The tables' columns: `metric` in each `<table>.csv` and `<table>.paired.csv` and the column names of each "
+        "`<table>.runs.csv`, the column headers of the Markdown tables, and what each holds per run (a table's cell "
+        "is the mean ± std of that over the arm's runs).",
+        "",
+        tables.columns_codebook(TABLE_EXPERIMENTS).to_markdown(index=False),
+    ]
     index = args.out / "INDEX.md"
     index.write_text("\n".join(lines) + "\n")
     return [prov, index]
@@ -128,12 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         ("reruns", "did the runs of a sweep that repeat another's config hashes reproduce"),
     ):
         sub.add_parser(name, help=text).add_argument("experiments", nargs="+", choices=TABLE_EXPERIMENTS)
+    sub.add_parser("rebuild", help="re-render tables from their own per-run files").add_argument(
+        "experiments", nargs="*", help=f"default: every table in the output folder; of {', '.join(TABLE_EXPERIMENTS)}"
+    )
     for name in ("mechanism", "figures", "index"):
         sub.add_parser(name)
     args = parser.parse_args(argv)
     args.out = args.out or Path("results") / args.scale
     handler = {
         "table": cmd_table,
+        "rebuild": cmd_rebuild,
         "reruns": cmd_reruns,
         "mechanism": cmd_mechanism,
         "figures": cmd_figures,

@@ -3,7 +3,8 @@
 Each metric is reduced per run (``last``, ``mean``, ``max`` or ``min`` over its logged steps), runs are
 grouped by the sweep axes (default: the parent run's ``fp8rl.axes`` without seeds) and each group gets
 mean and std over its runs (seeds), with `fp8rl.report.frames`. Prints the table and writes ``<name>.md``,
-``<name>.csv`` (grouped) and ``<name>.runs.csv`` (one row per run, with its MLflow run id).
+``<name>.csv`` (one row per group and metric: n, mean, std) and ``<name>.runs.csv`` (one row per run, with its
+MLflow run id), both with identifier column names (`fp8rl.report.frames.tidy_name`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from fp8rl.report.frames import Column, cells, grouped, load_runs, runs_frame
+from fp8rl.report.frames import Column, cells, grouped, load_runs, runs_frame, tidy_runs, tidy_stats
 from fp8rl.tracking import store
 
 AGGREGATIONS = ("last", "mean", "max", "min")
@@ -68,8 +69,8 @@ def compare(
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment)
     md, csv_grouped, csv_runs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv", out_dir / f"{stem}.runs.csv"
     md.write_text(f"{header}\n\n{display.to_markdown(index=False)}\n")
-    table.to_csv(csv_grouped, index=False)
-    per_run.to_csv(csv_runs, index=False)
+    tidy_stats(table, keys, columns).to_csv(csv_grouped, index=False)
+    tidy_runs(per_run, columns).to_csv(csv_runs, index=False)
     return table, [md, csv_grouped, csv_runs]
 
 

@@ -6,7 +6,9 @@
 - `runs_frame`: one row per run: its id, name, git SHA, the grouping keys and each `Column` reduced over
   the run's steps (last / mean / max / min, or the entropy-surge detector);
 - `grouped`: pandas ``groupby().agg`` over the grouping keys: n, mean and sample std of every column;
-- `cells`: "mean ± std" strings for Markdown (``DataFrame.to_markdown``); CSVs come from ``to_csv``;
+- `cells`: "mean ± std" strings for Markdown (``DataFrame.to_markdown``);
+- `tidy_runs` / `tidy_stats`: the CSVs, with identifier column names (`tidy_name`): one row per run, and one row
+  per group and metric (n, mean, std);
 - `paired_differences`: per arm, the per-seed differences against a reference arm of the same seed (BF16),
   their mean and a 95% t-interval over seeds (with n), which is the test the tables report, not seed spread.
 """
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +34,28 @@ SEED_KEYS = ("trainer.seed", "sweep.trainer.seed", "seed")  # where a run's seed
 CONFIDENCE = 0.95
 FALLBACK_GROUP_BY = ("algo", "precision", "recipe", "clipping")
 SURGE_RULE = SurgeRule()
+REDUCTION_TEXT = {  # what each reduction does to one run's logged values, for the tables' codebook
+    "first": "the first value",
+    "last": "the last value",
+    "last3": "the mean of the last 3 values (evaluations)",
+    "mean": "the mean over the logged steps",
+    "sum": "the sum over the logged steps",
+    "max": "the largest value",
+    "min": "the smallest value",
+    "surge_ratio": "the entropy-surge detector's ratio (fp8rl/report/surge.py)",
+    "surged": "1 if the entropy-surge detector fired, else 0",
+    "mean_initial_bounds": "the mean over the steps at the initial clip bounds (the run's calibration schedule)",
+    "mean_calibrated_bounds": "the mean over the steps after the first calibration",
+    "mean_steps_2_to_k1": "the mean over logged steps 2 to K + 1",
+    "mean_steps_from_k2": "the mean over logged steps K + 2 on",
+}
+
+
+def tidy_name(label: str) -> str:
+    """A column label as an identifier for CSVs and code: ``"acc, BF16 eval (last 3)"`` -> ``acc_bf16_eval_last_3``,
+    ``"step A<0 tokens"`` -> ``step_neg_tokens`` (lower case, words joined by ``_``, no commas or brackets)."""
+    text = label.replace("A<0", "neg").replace("A>0", "pos").replace("+", " plus ")
+    return re.sub(r"[^0-9a-z]+", "_", text.lower()).strip("_")
 
 
 @dataclass(frozen=True)
@@ -50,6 +75,16 @@ class Column:
             raise ValueError(f"reduction {self.reduce!r}; valid: {[*REDUCTIONS, *SCHEDULE_WINDOWS]}")
         if self.lag and self.reduce not in SCHEDULE_WINDOWS:
             raise ValueError(f"lag applies to the schedule windows {list(SCHEDULE_WINDOWS)}, not {self.reduce!r}")
+
+    @property
+    def name(self) -> str:
+        """The column's identifier in CSVs (`tidy_name` of its label)."""
+        return tidy_name(self.label)
+
+    def definition(self) -> str:
+        """What the column holds per run, in words: its MLflow metric and reduction."""
+        lag = ", each step's value read from the step before" if self.lag else ""
+        return f"`{self.key}`: {REDUCTION_TEXT[self.reduce]}{lag}"
 
 
 @dataclass
@@ -207,16 +242,34 @@ def runs_frame(run_data: Sequence[RunData], columns: Sequence[Column], group_by:
 
 
 def grouped(frame: pd.DataFrame, group_by: Sequence[str], columns: Sequence[Column]) -> pd.DataFrame:
-    """Per group (in order of first appearance): ``runs`` and ``<label>:mean`` / ``<label>:std`` (sample std,
-    0 for a single run; NaN values left out)."""
+    """Per group (in order of first appearance): ``runs`` and ``<label>:n`` / ``<label>:mean`` / ``<label>:std``
+    (runs with a value, their mean and sample std, 0 for a single run; NaN values left out)."""
     labels = [c.label for c in columns]
     by = list(group_by) or [pd.Series("all", index=frame.index, name="group")]
-    stats = frame.groupby(by, sort=False, dropna=False)[labels].agg(["mean", "std"])
-    stats.columns = [f"{label}:{stat}" for label, stat in stats.columns]
+    stats = frame.groupby(by, sort=False, dropna=False)[labels].agg(["count", "mean", "std"])
+    stats.columns = [f"{label}:{'n' if stat == 'count' else stat}" for label, stat in stats.columns]
     for label in labels:
         stats[f"{label}:std"] = stats[f"{label}:std"].fillna(0.0).where(stats[f"{label}:mean"].notna())
     counts = frame.groupby(by, sort=False, dropna=False).size().rename("runs")
     return pd.concat([counts, stats], axis=1).reset_index()
+
+
+def tidy_runs(per_run: pd.DataFrame, columns: Sequence[Column]) -> pd.DataFrame:
+    """`runs_frame` with identifier column names (one row per run: a tidy CSV)."""
+    return per_run.rename(columns={c.label: c.name for c in columns})
+
+
+def tidy_stats(table: pd.DataFrame, group_by: Sequence[str], columns: Sequence[Column]) -> pd.DataFrame:
+    """`grouped`'s table long: one row per group (in its order) and metric (in column order) with the grouping keys,
+    ``metric`` (`Column.name`), ``n`` (the group's runs with a value), ``mean`` and ``std`` (a tidy CSV)."""
+    rows = [
+        {**{key: group[key] for key in group_by}, "metric": column.name}
+        | {stat: group[f"{column.label}:{stat}"] for stat in ("n", "mean", "std")}
+        for _, group in table.iterrows()
+        for column in columns
+    ]
+    frame = pd.DataFrame(rows, columns=[*group_by, "metric", "n", "mean", "std"])
+    return frame.astype({"n": int})
 
 
 def cells(table: pd.DataFrame, group_by: Sequence[str], columns: Sequence[Column]) -> pd.DataFrame:

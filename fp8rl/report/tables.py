@@ -6,10 +6,11 @@ entropy-surge detector), and a cell shows mean ± std over the group's runs. Whe
 second table gives each arm's per-seed paired differences against it with 95% t-intervals over the seeds; where
 it has Calibrated Clipping arms and vanilla FP8 arms of the same precision, a third gives each CC arm's
 differences against its vanilla counterpart and the share of vanilla's excess clipping over BF16 it removes.
-Written per table: ``<name>.md`` (with the paper's numbers beside ours where the paper reports the row),
-``<name>.csv`` (grouped), ``<name>.paired.csv`` (the paired differences), ``<name>.runs.csv`` (one row per
-run with its MLflow run id, git SHA and seed) and ``<name>.runs.json`` (each run's resolved config and
-provenance tags).
+Written per table: ``<name>.md`` (the key columns first, with the paper's numbers beside ours where the paper
+reports the row, then every column), tidy CSVs with identifier column names (`Column.name`): ``<name>.csv`` (one
+row per arm and metric: n, mean, std), ``<name>.paired.csv`` (the paired differences), ``<name>.runs.csv`` (one
+row per run with its MLflow run id, git SHA and seed), and ``<name>.runs.json`` (each run's resolved config and
+provenance tags). `rebuild_table` re-renders a table from its own ``.runs.csv`` and ``.runs.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,8 @@ from fp8rl.report.frames import (
     paired_differences,
     runs_frame,
     schedule_windows,
+    tidy_runs,
+    tidy_stats,
 )
 from fp8rl.report.paper import PAPER_METRIC, PAPER_SCORES
 from fp8rl.report.surge import SurgeRule
@@ -170,14 +174,60 @@ def _paper_column(experiment: str, keys: list[tuple[str, ...]]) -> list[str]:
     return [next((f"{scores[part]:g}" for part in key if part in scores), "") for key in keys]
 
 
-def provenance_header(experiment: str, run_data: list[RunData], uri: str, superseded: int = 0) -> str:
+KEY_LABELS = (  # the columns a table's Markdown shows first; the CSV and the full table below it hold them all
+    "acc (last 3 evals)",
+    "reward (mean)",
+    "clip/low_neg (mean)",
+    "clip/low_neg after 1st calibration",
+    "surge ratio",
+    "garbled (rollout, mean)",
+)
+EXTRA_KEY_LABELS = {  # a study's own key columns (from its `EXTRA_COLUMNS`), shown after `KEY_LABELS`
+    "collapse": ("junk tokens (rollout, mean)",),
+    "junk_gate": ("junk mass (probe, last 3)", "probe entropy (last 3)", "A<0 gradients dropped (mean)"),
+    "junk_dose": ("junk mass (probe, last 3)", "probe entropy (last 3)", "A<0 gradients dropped (mean)"),
+    "junk_arms": ("junk mass (probe, last 3)", "probe entropy (last 3)"),
+    "junk_fp8_pilot": ("FP8 over-clip of A<0 junk (mean)", "FP8 over-clip of all A<0 (mean)"),
+    "ablation_first_calibration": ("clip/low_neg, steps 2 to K + 1", "clip/low_neg, steps K + 2 on"),
+}
+CODEBOOK = "INDEX.md#columns"  # where `fp8rl.report index` defines every column (`columns_codebook`)
+
+
+def key_labels(base: str, columns: Sequence[Column]) -> list[str]:
+    """The labels of `columns` a table shows first: `KEY_LABELS`, then the experiment's `EXTRA_KEY_LABELS`."""
+    wanted = (*KEY_LABELS, *EXTRA_KEY_LABELS.get(base, ()))
+    present = {c.label for c in columns}
+    return [label for label in wanted if label in present]
+
+
+def columns_codebook(experiments: Sequence[str]) -> pd.DataFrame:
+    """One row per column of the experiments' tables: its CSV name, its label in the Markdown, its definition."""
+    seen: dict[str, Column] = {}
+    for experiment in experiments:
+        for column in columns_of(experiment):
+            seen.setdefault(column.name, column)
+    return pd.DataFrame(
+        [(f"`{c.name}`", c.label, c.definition()) for c in seen.values()],
+        columns=["metric (CSV)", "column (Markdown)", "per run: MLflow metric and reduction over its steps"],
+    )
+
+
+def provenance_header(
+    experiment: str, run_data: list[RunData], uri: str, superseded: int = 0, rebuilt_from: str | None = None
+) -> str:
+    """The table's first line: where its runs and values come from, their commits and machines, the surge rule."""
     shas = sorted(
         {r.tags.get("git_sha", "?")[:10] + ("-dirty" if r.tags.get("git_dirty") == "true" else "") for r in run_data}
     )
     hosts = sorted({r.tags.get("machine.hostname", "?") for r in run_data})
+    source = f"from MLflow `{runs.display_uri(uri)}`"
+    made = "generated"
+    if rebuilt_from:
+        source = f"(their per-run values as read from MLflow `{uri}`, kept in `{rebuilt_from}`)"
+        made = "re-rendered from that file"
     return (
-        f"Table `{experiment}`: {len(run_data)} finished run(s) from MLflow `{runs.display_uri(uri)}`; mean ± std "
-        f"over seeds. Runs at git {', '.join(shas)} on {', '.join(hosts)}; generated "
+        f"Table `{experiment}`: {len(run_data)} finished run(s) {source}; mean ± std "
+        f"over seeds. Runs at git {', '.join(shas)} on {', '.join(hosts)}; {made} "
         f"{time.strftime('%Y-%m-%d %H:%M %Z')} by `python -m fp8rl.report`. Surge detector: "
         f"fp8rl/report/surge.py (ratio >= {SURGE_RULE.ratio}, rise >= {SURGE_RULE.min_rise} nats); "
         "`surged` = fraction of runs."
@@ -188,6 +238,17 @@ def provenance_header(experiment: str, run_data: list[RunData], uri: str, supers
             else ""
         )
     )
+
+
+@dataclass
+class TableRuns:
+    """What a table is built from: the runs (tags and resolved configs), one row of reduced values per run
+    (columns named by label), the grouping keys' names, and the MLflow store they were read from."""
+
+    run_data: list[RunData]
+    per_run: pd.DataFrame
+    names: list[str]
+    mlflow: str
 
 
 def write_table(
@@ -206,14 +267,76 @@ def write_table(
         raise SystemExit(f"MLflow experiment {experiment!r} has no finished runs yet")
     names = [compare_name(g) for g in group_by]
     per_run = runs_frame(run_data, columns, group_by).rename(columns=dict(zip(group_by, names, strict=True)))
+    header = provenance_header(experiment, run_data, uri, superseded)
+    return _write(
+        experiment, out_dir, columns, TableRuns(run_data, per_run, names, runs.display_uri(uri)), header, name
+    )
+
+
+def rebuild_table(
+    experiment: str, out_dir: Path, columns: Sequence[Column] = TABLE_COLUMNS, name: str | None = None
+) -> list[Path]:
+    """Re-render a table in `out_dir` from its own ``<name>.runs.csv`` and ``<name>.runs.json`` (no MLflow store):
+    the same numbers, in the current layout."""
+    stem = name or experiment
+    source = read_table_runs(out_dir, stem, columns)
+    header = provenance_header(experiment, source.run_data, source.mlflow, rebuilt_from=f"{stem}.runs.csv")
+    return _write(experiment, out_dir, columns, source, header, name)
+
+
+def read_table_runs(out_dir: Path, stem: str, columns: Sequence[Column]) -> TableRuns:
+    """A written table's runs back from its ``.runs.csv`` (metric columns by CSV name or, in files written before
+    the names, by label; floats as written, so exact) and ``.runs.json``."""
+    runs_csv, runs_json = out_dir / f"{stem}.runs.csv", out_dir / f"{stem}.runs.json"
+    for path in (runs_csv, runs_json):
+        if not path.exists():
+            raise SystemExit(f"{path} is missing: a table is re-rendered from its own per-run files; build it from "
+                             "MLflow instead (`python -m fp8rl.report table ...` after its sweep)")  # fmt: skip
+    raw = pd.read_csv(runs_csv, dtype=str, keep_default_na=False)
+    by_column = {c.label: c for c in columns} | {c.name: c for c in columns}
+    absent = [c.name for c in columns if c.label not in raw.columns and c.name not in raw.columns]
+    if absent:
+        raise SystemExit(f"{runs_csv} has no column for {absent}: it was written with other columns than this table's")
+    head = [h for h in ("run_id", "run_name", "git_sha", "seed") if h in raw.columns]
+    names = [c for c in raw.columns if c not in head and c not in by_column]
+    per_run = raw[[*head, *names]].copy()
+    for column in columns:
+        text = raw[column.label if column.label in raw.columns else column.name]
+        per_run[column.label] = [float(v) if v else math.nan for v in text]  # float(): correctly rounded, exact
+    payload = json.loads(runs_json.read_text())
+    records = {r["run_id"]: r for r in payload["runs"]}
+    run_data = [
+        RunData(rid, records[rid]["run_name"], tuple(row), records[rid]["tags"], records[rid]["config"])
+        for rid, row in zip(per_run["run_id"], per_run[names].itertuples(index=False, name=None), strict=True)
+    ]
+    return TableRuns(run_data, per_run, names, payload["mlflow"])
+
+
+def _write(
+    experiment: str, out_dir: Path, columns: Sequence[Column], source: TableRuns, header: str, name: str | None
+) -> list[Path]:
+    """The table's files: Markdown (key columns, then all), tidy CSVs (per arm and metric, per run, paired) and
+    the runs' configs and tags."""
+    per_run, names, run_data = source.per_run, source.names, source.run_data
     table = grouped(per_run, names, columns)
     display = cells(table, names, columns)
     stem = name or experiment
     base = stem.rsplit("-", 1)[0]
-    lines = [provenance_header(experiment, run_data, uri, superseded), ""]
+    key = display[[*names, "runs", *key_labels(base, columns)]].copy()
     if base in PAPER_SCORES:
-        display["paper"] = _paper_column(base, [tuple(row) for row in table[names].astype(str).values.tolist()])
-    lines.append(display.to_markdown(index=False))
+        key.insert(len(names) + 1, "paper", _paper_column(base, [tuple(r) for r in table[names].astype(str).values]))
+    lines = [header, "", key.to_markdown(index=False), ""]
+    lines += [
+        f"All {len(columns)} columns: below, and in [{stem}.csv]({stem}.csv) (one row per arm and metric, with n, mean "
+        f"and std; one row per run in [{stem}.runs.csv]({stem}.runs.csv)); each column's definition: [{CODEBOOK}]"
+        f"({CODEBOOK}).",
+        "",
+        f"<details><summary>all {len(columns)} columns</summary>",
+        "",
+        display.to_markdown(index=False),
+        "",
+        "</details>",
+    ]
     if any(c.reduce in SCHEDULE_WINDOWS for c in columns):
         lines += ["", WINDOW_NOTE]
     if base in PAPER_SCORES:
@@ -226,14 +349,15 @@ def write_table(
     paired = _paired_section(per_run, names, columns, run_data)
     if paired is not None:
         lines += ["", *paired[0]]
-        paired[1].to_csv(out_dir / f"{stem}.paired.csv", index=False)
+        paired_frame = paired[1].assign(metric=paired[1]["metric"].map({c.label: c.name for c in columns}))
+        paired_frame.to_csv(out_dir / f"{stem}.paired.csv", index=False)
     md, csv_grouped, csv_runs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv", out_dir / f"{stem}.runs.csv"
     md.write_text("\n".join(lines) + "\n")
-    table.to_csv(csv_grouped, index=False)
-    per_run.to_csv(csv_runs, index=False)
+    tidy_stats(table, names, columns).to_csv(csv_grouped, index=False)
+    tidy_runs(per_run, columns).to_csv(csv_runs, index=False)
     configs = out_dir / f"{stem}.runs.json"
     records = [{"run_id": r.run_id, "run_name": r.name, "tags": r.tags, "config": r.params} for r in run_data]
-    payload = {"mlflow": runs.display_uri(uri), "experiment": experiment, "runs": records}
+    payload = {"mlflow": source.mlflow, "experiment": experiment, "runs": records}
     configs.write_text(json.dumps(_without_local_paths(payload), indent=1, sort_keys=True))
     return [md, csv_grouped, csv_runs, configs, *([out_dir / f"{stem}.paired.csv"] if paired is not None else [])]
 

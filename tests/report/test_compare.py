@@ -76,9 +76,15 @@ def test_compare_groups_by_the_sweep_axes_and_writes_md_and_csv(tmp_path: Path, 
     md, grouped_csv, per_run = paths
     text = md.read_text()
     assert "| sweep.arm   |   runs | eval/accuracy (last)" in text and "| cc          |      2 | 0.8 ± 0.1414" in text
-    rows = list(csv.DictReader(grouped_csv.open()))
-    assert {r["sweep.arm"]: float(r[f"{last}:mean"]) for r in rows} == pytest.approx({"fp8": 0.4, "cc": 0.8})
-    assert len(list(csv.DictReader(per_run.open()))) == 4
+    rows = list(csv.DictReader(grouped_csv.open()))  # tidy: one row per arm and metric, identifier names
+    assert [r["metric"] for r in rows[:4]] == [
+        "eval_accuracy_last", "rollout_entropy_max", "eval_accuracy_mean", "missing_metric_last"
+    ]  # fmt: skip
+    accuracy = {r["sweep.arm"]: (r["n"], float(r["mean"])) for r in rows if r["metric"] == "eval_accuracy_last"}
+    assert accuracy == {"fp8": ("2", pytest.approx(0.4)), "cc": ("2", pytest.approx(0.8))}
+    assert {r["n"] for r in rows if r["metric"] == "missing_metric_last"} == {"0"}
+    per_run_rows = list(csv.DictReader(per_run.open()))
+    assert len(per_run_rows) == 4 and "eval_accuracy_last" in per_run_rows[0]
     assert "mlflow.db" in text and str(tmp_path) not in text  # the store, without this machine's path
 
 

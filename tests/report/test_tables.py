@@ -58,17 +58,19 @@ def test_table_groups_seeds_reduces_histories_and_sets_the_paper_beside_ours(sto
         "grpo_granularity-tiny.runs.csv",
         "grpo_granularity-tiny.runs.json",
     }
-    rows = {r["arm"]: r for r in csv.DictReader(open(out / "grpo_granularity-tiny.csv"))}
-    assert rows["bf16"]["runs"] == "3"  # the FAILED run is left out
-    assert float(rows["bf16"]["acc (last 3 evals):mean"]) == pytest.approx(0.91 - 0.05)  # mean of its 2 evals
-    assert float(rows["bf16"]["acc (last 3 evals):std"]) == pytest.approx(0.01)
-    assert float(rows["bf16"]["calib ok:mean"]) == 2.0  # calibrations counted over the run
-    assert float(rows["fp8_tensorwise"]["surged:mean"]) == pytest.approx(2 / 3)
-    assert float(rows["bf16"]["surged:mean"]) == 0.0
-    assert float(rows["fp8_tensorwise"]["peak entropy:mean"]) == pytest.approx((0.8 + 0.8 + 0.2) / 3)
-    assert float(rows["bf16"]["clip/low_neg (mean):mean"]) == pytest.approx(0.02)
+    rows = {(r["arm"], r["metric"]): r for r in csv.DictReader(open(out / "grpo_granularity-tiny.csv"))}
+    assert rows["bf16", "acc_last_3_evals"]["n"] == "3"  # the FAILED run is left out
+    assert float(rows["bf16", "acc_last_3_evals"]["mean"]) == pytest.approx(0.91 - 0.05)  # mean of its 2 evals
+    assert float(rows["bf16", "acc_last_3_evals"]["std"]) == pytest.approx(0.01)
+    assert float(rows["bf16", "calib_ok"]["mean"]) == 2.0  # calibrations counted over the run
+    assert float(rows["fp8_tensorwise", "surged"]["mean"]) == pytest.approx(2 / 3)
+    assert float(rows["bf16", "surged"]["mean"]) == 0.0
+    assert float(rows["fp8_tensorwise", "peak_entropy"]["mean"]) == pytest.approx((0.8 + 0.8 + 0.2) / 3)
+    assert float(rows["bf16", "clip_low_neg_mean"]["mean"]) == pytest.approx(0.02)
+    assert rows["bf16", "overclip_cc_out_of_sample"]["n"] == "0"  # never logged by these runs
     md = (out / "grpo_granularity-tiny.md").read_text()
-    assert "| bf16           |      3 | 0.860 ± 0.010 " in md and "57.6" in md
+    assert "| bf16           |      3 |    57.6 | 0.860 ± 0.010 " in md  # the key columns first, the paper's beside
+    assert "<details><summary>all 21 columns</summary>" in md
     assert "Per-seed paired differences against `bf16`" in md
     assert "57.6" in md and "46.1" in md  # the paper's BF16 and tensorwise scores
     assert "abc123" in md
@@ -88,7 +90,7 @@ def test_a_re_run_of_an_arm_and_seed_supersedes_the_older_run(store: str, tmp_pa
     tables.write_table("grpo_granularity-tiny", out, tracking_uri=store)
     per_run = [r for r in csv.DictReader(open(out / "grpo_granularity-tiny.runs.csv")) if r["arm"] == "bf16"]
     assert sorted(r["seed"] for r in per_run) == ["0", "1", "2"]
-    assert [float(r["acc (last 3 evals)"]) for r in per_run if r["seed"] == "0"] == [pytest.approx(0.45)]
+    assert [float(r["acc_last_3_evals"]) for r in per_run if r["seed"] == "0"] == [pytest.approx(0.45)]
     assert (
         "1 older run(s) of the same arm and seed, superseded by a re-run"
         in (out / "grpo_granularity-tiny.md").read_text()
@@ -98,13 +100,13 @@ def test_a_re_run_of_an_arm_and_seed_supersedes_the_older_run(store: str, tmp_pa
 def test_paired_differences_against_bf16_with_t_intervals(store: str, tmp_path: Path) -> None:
     tables.write_table("grpo_granularity-tiny", tmp_path, tracking_uri=store)
     paired = {r["metric"]: r for r in csv.DictReader(open(tmp_path / "grpo_granularity-tiny.paired.csv"))}
-    acc = paired["acc (last 3 evals)"]
+    acc = paired["acc_last_3_evals"]
     # fp8 0.80 - 0.05 in every seed vs bf16 0.90/0.91/0.92 - 0.05: differences -0.10, -0.11, -0.12
     assert (acc["arm"], acc["n"]) == ("fp8_tensorwise", "3")
     assert float(acc["mean"]) == pytest.approx(-0.11)
     half = 4.302652729911275 * 0.01 / 3**0.5  # t(0.975, 2) * sd / sqrt(n)
     assert (float(acc["ci_low"]), float(acc["ci_high"])) == (pytest.approx(-0.11 - half), pytest.approx(-0.11 + half))
-    low_neg = paired["clip/low_neg (mean)"]  # identical per seed in both arms: a zero-width interval at 0
+    low_neg = paired["clip_low_neg_mean"]  # identical per seed in both arms: a zero-width interval at 0
     assert float(low_neg["mean"]) == 0 and float(low_neg["ci_low"]) == float(low_neg["ci_high"]) == 0
     md = (tmp_path / "grpo_granularity-tiny.md").read_text()
     assert "| fp8_tensorwise | bf16      |   3 | -0.110 [-0.135, -0.085]" in md
@@ -198,7 +200,7 @@ def test_calibrated_clipping_is_paired_with_vanilla_fp8_of_the_same_precision(tm
     against = {(r["arm"], r["against"]) for r in paired}
     assert ("cc_tensorwise", "fp8_tensorwise") in against and ("cc_tensorwise", "bf16") in against
     assert {a for a, ref in against if ref != "bf16"} == {"cc_tensorwise"}  # cc_blockwise only against BF16
-    whole_run = {(r["arm"], r["against"]): float(r["mean"]) for r in paired if r["metric"] == "clip/low_neg (mean)"}
+    whole_run = {(r["arm"], r["against"]): float(r["mean"]) for r in paired if r["metric"] == "clip_low_neg_mean"}
     assert whole_run["cc_tensorwise", "fp8_tensorwise"] == pytest.approx(0.022 - 0.05)  # CC seeds: 0.021-0.023
     assert "against the vanilla FP8 arm with the same precision" in md
     row = next(line for line in md.splitlines() if line.startswith("| cc_tensorwise | fp8_tensorwise"))
@@ -236,3 +238,74 @@ def test_the_share_of_excess_removed_carries_a_bootstrap_interval_over_seeds() -
     share, low, high = (float(x) / 100 for x in re.findall(r"(-?\d+)%", _share_removed_cell(noisy, "cc", "van")))
     assert low < share < high and high - low > 0.05
     assert _share_removed_cell(noisy.iloc[:2], "cc", "van").count("%") == 1  # two seeds: the estimate alone
+
+
+def _without_header(text: str) -> list[str]:
+    return text.splitlines()[1:]  # the first line says where the values came from and when
+
+
+def test_a_table_re_rendered_from_its_own_files_equals_the_one_built_from_mlflow(store: str, tmp_path: Path) -> None:
+    built, rebuilt = tmp_path / "built", tmp_path / "rebuilt"
+    tables.write_table("grpo_granularity-tiny", built, tracking_uri=store)
+    rebuilt.mkdir()
+    for suffix in (".runs.csv", ".runs.json"):
+        (rebuilt / f"grpo_granularity-tiny{suffix}").write_bytes(
+            (built / f"grpo_granularity-tiny{suffix}").read_bytes()
+        )
+    assert main(["--out", str(rebuilt), "rebuild"]) == 0  # no store: every table found in the folder
+    for name in ("grpo_granularity-tiny.csv", "grpo_granularity-tiny.paired.csv", "grpo_granularity-tiny.runs.csv",
+                 "grpo_granularity-tiny.runs.json"):  # fmt: skip
+        assert (rebuilt / name).read_bytes() == (built / name).read_bytes(), name
+    md = (rebuilt / "grpo_granularity-tiny.md").read_text()
+    assert _without_header(md) == _without_header((built / "grpo_granularity-tiny.md").read_text())
+    assert "kept in `grpo_granularity-tiny.runs.csv`" in md.splitlines()[0]
+
+
+def test_a_per_run_file_written_with_labels_before_the_names_re_renders_the_same(store: str, tmp_path: Path) -> None:
+    """The published tables' runs.csv files (2026-12-04) name their columns by label; their store is gone."""
+    tables.write_table("grpo_granularity-tiny", tmp_path, tracking_uri=store)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("grpo_granularity-tiny.*")}
+    per_run = pd.read_csv(tmp_path / "grpo_granularity-tiny.runs.csv", dtype=str, keep_default_na=False)
+    per_run.rename(columns={c.name: c.label for c in tables.TABLE_COLUMNS}).to_csv(
+        tmp_path / "grpo_granularity-tiny.runs.csv", index=False
+    )
+    tables.rebuild_table("grpo_granularity-tiny", tmp_path)
+    after = {p.name: p.read_bytes() for p in tmp_path.glob("grpo_granularity-tiny.*")}
+    assert [n for n in before if before[n] != after[n]] == ["grpo_granularity-tiny.md"]  # the header's date only
+    assert _without_header(after["grpo_granularity-tiny.md"].decode()) == _without_header(
+        before["grpo_granularity-tiny.md"].decode()
+    )
+
+
+def test_re_rendering_without_the_files_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="build it from MLflow instead"):
+        tables.rebuild_table("grpo_granularity-tiny", tmp_path)
+    with pytest.raises(SystemExit, match="no table's"):
+        main(["--out", str(tmp_path), "rebuild"])
+    with pytest.raises(SystemExit, match="unknown table"):
+        main(["--out", str(tmp_path), "rebuild", "grpo"])
+
+
+def test_every_column_has_a_distinct_identifier_and_a_definition_in_the_index(store: str, tmp_path: Path) -> None:
+    from fp8rl.report.__main__ import TABLE_EXPERIMENTS
+    from fp8rl.report.frames import tidy_name
+
+    assert tidy_name("acc, BF16 eval (last 3)") == "acc_bf16_eval_last_3"
+    assert tidy_name("step A<0 tokens") == "step_neg_tokens"
+    assert tidy_name("clip/low_neg, steps K + 2 on") == "clip_low_neg_steps_k_plus_2_on"
+    for experiment in TABLE_EXPERIMENTS:
+        columns = tables.columns_of(experiment)
+        names = [c.name for c in columns]
+        assert len(set(names)) == len(names), experiment
+        assert all(re.fullmatch(r"[a-z0-9_]+", n) for n in names)
+        assert set(tables.key_labels(experiment, columns)) >= set(tables.EXTRA_KEY_LABELS.get(experiment, ()))
+    main(["--tracking-uri", store, "--out", str(tmp_path), "table", "grpo_granularity"])
+    main(["--tracking-uri", store, "--out", str(tmp_path), "index"])
+    index = (tmp_path / "INDEX.md").read_text()
+    assert "## Columns" in index
+    row = next(line for line in index.splitlines() if line.startswith("| `clip_low_neg_after_1st_calibration`"))
+    assert [cell.strip() for cell in row.strip("|").split("|")] == [
+        "`clip_low_neg_after_1st_calibration`",
+        "clip/low_neg after 1st calibration",
+        "`clip/low_neg`: the mean over the steps after the first calibration",
+    ]
