@@ -1,11 +1,14 @@
 """Figures from MLflow: training curves per table (one figure each) and the mechanism study's plots.
 
-Training curves: one line per arm (a group of the sweep's axes), the mean over its seeds at each step with
-a band of ± one sample standard deviation (no band for a single seed). Colour says the FP8 recipe, line
-style the method (BF16 / FP8 rollout / vanilla FP8 / FP8 + Calibrated Clipping); arms that share both (an
-ablation's K or initial bounds) get lighter shades of the colour. Every panel has a y-label with its unit;
-titles carry the experiment's name and run count, never a machine's path. Each figure is written as PNG
-and PDF and attached to the sweep's parent run in MLflow (artifact folder ``figures/``).
+Training curves, as small multiples: one block of axes (a panel per metric) per FP8 recipe, and one for the
+BF16-precision arms other than the reference, so that an axes holds a few arms only; the BF16 arm
+(`REFERENCE`) is drawn in black in every block, and a metric's axes share their y-range across blocks so that
+the blocks compare. Each arm is the mean
+over its seeds at each step with a band of ± one sample standard deviation (none for a single seed); within a
+column every arm has its own colour, and the line style says the method (BF16 / FP8 rollout / vanilla FP8 /
+FP8 + Calibrated Clipping). Every panel has a y-label with its unit; titles carry the experiment's name and run
+count, never a machine's path. Each figure is written as PNG and PDF and attached to the sweep's parent run in
+MLflow (artifact folder ``figures/``).
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ import pandas as pd
 
 from fp8rl.report.frames import RunData, load_runs
 from fp8rl.report.mechanism import MECH_ORDER, load_mechanism
-from fp8rl.report.tables import compare_name
+from fp8rl.report.tables import REFERENCE_ARM, compare_name
 from fp8rl.tracking import store as runs
 
 
 @dataclass(frozen=True)
 class Panel:
-    """One axes of the curve figure: metric keys (drawn solid, then dashed), a title and a y-label with unit."""
+    """An axes of each block of the curve figure: metric keys (in the arm's style), a title, a y-label with unit."""
 
     title: str
     keys: tuple[str, ...]
@@ -43,18 +46,21 @@ CURVE_PANELS = (
     Panel("held-out accuracy", ("eval/accuracy",), "accuracy (share correct)", limits=SHARE),
     Panel("garbled rollouts", ("rollout/garbled_rate",), "garbled (share of rollouts)", limits=SHARE),
     Panel("clipped negative tokens (clip/low_neg)", ("clip/low_neg",), "share of A < 0 tokens", limits=SHARE),
-    Panel("clip bounds: lower (< 1) and upper (> 1)", ("clip/bound_low", "clip/bound_high"), "bound (ratio)"),
-    Panel("update balance p = contrib_pos / contrib_neg", ("clip/p",), "p (ratio)"),
+    Panel("clip bounds (lower < 1 < upper)", ("clip/bound_low", "clip/bound_high"), "bound (ratio)"),
+    Panel("update balance p = pos / neg contribution", ("clip/p",), "p (ratio)"),
     Panel("response length", ("rollout/response_len",), "tokens", limits=NONNEGATIVE),
 )
-METHOD_STYLE = {  # method -> (line style of the first key, legend name)
+METHOD_STYLE = {  # method -> (line style, legend name)
     "bf16": ("-", "BF16"),
     "fp8_rollout": (":", "FP8 rollout"),
     "fp8": ("--", "vanilla FP8"),
     "cc": ("-", "FP8 + CC"),
 }
-RECIPE_COLOR = {"none": "black", "tensorwise": "tab:blue", "rowwise": "tab:orange", "blockwise": "tab:green",
-                "mxfp8": "tab:purple"}  # fmt: skip
+RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")  # the blocks' order
+BF16_COLUMN = "BF16 arms"  # the block of BF16-precision arms other than the reference (ablations, controls)
+REFERENCE = REFERENCE_ARM  # the arm drawn in every column
+REFERENCE_COLOR = "black"
+ARM_COLORS = ("tab:blue", "tab:red", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:cyan")
 STEP_LABEL = "RL step"
 
 
@@ -71,25 +77,40 @@ class ArmStyle:
     color: Any
     linestyle: str
     label: str
+    column: str  # the recipe column it is drawn in; `REFERENCE` for the arm drawn in all
 
 
 def arm_styles(groups: dict[tuple[str, ...], list[RunData]], group_by: Sequence[str]) -> dict[tuple, ArmStyle]:
-    """A colour (recipe), line style (method) and legend label per arm; shades for arms sharing both."""
+    """Per arm: its column (the FP8 recipe; `BF16_COLUMN`; `REFERENCE` for the BF16 arm), a colour of its own within
+    the column (black for the reference), a line style by method and a legend label with its seed count."""
     from matplotlib.colors import to_rgb
 
-    seen: dict[tuple[str, str], int] = {}
+    used: dict[str, int] = {}
     styles = {}
     for group, members in groups.items():
         tags = members[0].tags
-        method, recipe = method_of(tags), tags.get("recipe", "none")
-        shade = seen[(method, recipe)] = seen.get((method, recipe), -1) + 1
-        base = to_rgb(RECIPE_COLOR.get(recipe, "tab:gray"))
-        color = tuple(c + (1 - c) * min(0.25 * shade, 0.75) for c in base)  # lighter for each further arm
+        method = method_of(tags)
+        recipe = "" if method == "bf16" else tags.get("recipe", "none")
+        if REFERENCE in group:
+            column, color = REFERENCE, to_rgb(REFERENCE_COLOR)
+        else:
+            column = recipe or BF16_COLUMN
+            used[column] = used.get(column, -1) + 1
+            color = to_rgb(ARM_COLORS[used[column] % len(ARM_COLORS)])
         linestyle, method_name = METHOD_STYLE[method]
-        recipe_name = "" if method == "bf16" else f" {recipe}"
         axes = ", ".join(f"{compare_name(k)}={v}" for k, v in zip(group_by, group, strict=True) if v)
-        styles[group] = ArmStyle(color, linestyle, f"{method_name}{recipe_name} ({axes}; {len(members)} seeds)")
+        label = f"{method_name}{f' {recipe}' if recipe else ''} ({axes}; {len(members)} seeds)"
+        styles[group] = ArmStyle(color, linestyle, label, column)
     return styles
+
+
+def figure_columns(styles: dict[tuple, ArmStyle]) -> list[str]:
+    """The figure's columns: the recipes present in `RECIPES` order, then any other, then `BF16_COLUMN`; the reference
+    alone when it is the only arm."""
+    present = {s.column for s in styles.values()} - {REFERENCE}
+    known = [r for r in RECIPES if r in present]
+    others = sorted(present - set(RECIPES) - {BF16_COLUMN})
+    return [*known, *others, *([BF16_COLUMN] if BF16_COLUMN in present else [])] or [REFERENCE]
 
 
 def seed_band(members: Sequence[RunData], key: str) -> pd.DataFrame:
@@ -123,6 +144,9 @@ def _draw_panel(ax: Any, panel: Panel, groups: dict, styles: dict[tuple, ArmStyl
     ax.grid(alpha=0.3)
 
 
+PANEL_COLUMNS = 4  # a facet's metrics in rows of this many axes
+
+
 def curve_figure(experiment: str, run_data: list[RunData], group_by: Sequence[str]) -> Any:
     """The training-curve figure of one table's runs (module docstring)."""
     from matplotlib.lines import Line2D
@@ -131,18 +155,39 @@ def curve_figure(experiment: str, run_data: list[RunData], group_by: Sequence[st
     for run in run_data:
         groups.setdefault(run.group, []).append(run)
     styles = arm_styles(groups, group_by)
+    facets = figure_columns(styles)
+    block = math.ceil(len(CURVE_PANELS) / PANEL_COLUMNS)  # axes rows per facet
     plt = _plt()
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
-    for ax, panel in zip(axes.flat, CURVE_PANELS, strict=True):
-        _draw_panel(ax, panel, groups, styles)
-    handles = [Line2D([], [], color=s.color, linestyle=s.linestyle, label=s.label) for s in styles.values()]
-    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
-    fig.suptitle(
-        f"{experiment}: mean over seeds, band ± 1 sd ({len(run_data)} runs); colour = FP8 recipe, "
-        "line style = method (BF16 solid black, FP8 rollout dotted, vanilla FP8 dashed, FP8 + CC solid)",
-        fontsize=11,
+    fig, axes = plt.subplots(
+        block * len(facets),
+        PANEL_COLUMNS,
+        figsize=(4.6 * PANEL_COLUMNS + 3.4, 3.0 * block * len(facets) + 0.8),
+        squeeze=False,
     )
-    fig.tight_layout(rect=(0, 0.04 + 0.025 * math.ceil(len(handles) / 4), 1, 0.96))
+    for index, facet in enumerate(facets):
+        shown = {g: m for g, m in groups.items() if styles[g].column in (facet, REFERENCE)}
+        for i, panel in enumerate(CURVE_PANELS):
+            ax = axes[index * block + i // PANEL_COLUMNS, i % PANEL_COLUMNS]
+            _draw_panel(ax, panel, shown, styles)
+            if index:  # a metric's axes share their y range across facets, so that the facets compare
+                ax.sharey(axes[i // PANEL_COLUMNS, i % PANEL_COLUMNS])
+        for ax in axes[index * block + (len(CURVE_PANELS) - 1) // PANEL_COLUMNS + 1 : (index + 1) * block].flat:
+            ax.set_axis_off()
+        first = axes[index * block, 0]
+        first.annotate(
+            facet, (-0.3, 1.12), xycoords="axes fraction", ha="left", va="bottom", fontsize=13, weight="bold"
+        )
+        handles = [
+            Line2D([], [], color=styles[g].color, linestyle=styles[g].linestyle, label=styles[g].label) for g in shown
+        ]
+        anchor = axes[index * block, -1]
+        anchor.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.05, 1.0), fontsize=8, frameon=False)
+    fig.suptitle(
+        f"{experiment}: mean over seeds, band ± 1 sd ({len(run_data)} runs). One block per FP8 recipe, BF16 in black "
+        "in each; line style = method (FP8 rollout dotted, vanilla FP8 dashed, BF16 and FP8 + CC solid)",
+        fontsize=12,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.98), h_pad=2.0)
     return fig
 
 

@@ -54,32 +54,55 @@ def _texts(fig) -> list[str]:
     return [t for t in texts if t]
 
 
-def test_curves_have_seed_bands_labelled_axes_and_no_local_path(store: str, tmp_path: Path) -> None:
+def test_curves_are_a_block_per_recipe_with_seed_bands_labelled_axes_and_no_local_path(
+    store: str, tmp_path: Path
+) -> None:
     keys = [key for panel in figures.CURVE_PANELS for key in panel.keys]
     run_data, group_by, _ = load_runs(EXPERIMENT, keys, tracking_uri=store)
     fig = figures.curve_figure(EXPERIMENT, run_data, group_by)
-    axes = {ax.get_title(): ax for ax in fig.axes}
-    assert all(ax.get_ylabel() and ax.get_xlabel() == "RL step" for ax in fig.axes)
-    entropy = axes["rollout entropy"]
-    assert entropy.get_ylabel() == "entropy (nats / token)"
-    bands = [c for c in entropy.collections if isinstance(c, PolyCollection)]
-    assert len(bands) == len(ARMS)  # one ± sd band per arm (seeds differ)
-    assert any("clip bounds" in title for title in axes) and "garbled rollouts" in axes
-    assert not any(str(tmp_path) in text or "sqlite" in text for text in _texts(fig))
+    drawn = [ax for ax in fig.axes if ax.axison]
+    assert len(drawn) == 2 * len(figures.CURVE_PANELS)  # a block for tensorwise, one for rowwise
+    assert all(ax.get_ylabel() and ax.get_xlabel() == "RL step" for ax in drawn)
+    tensorwise, rowwise = drawn[0], drawn[len(figures.CURVE_PANELS)]
+    assert tensorwise.get_title() == rowwise.get_title() == "rollout entropy"
+    assert tensorwise.get_ylabel() == "entropy (nats / token)"
+    assert tensorwise.get_shared_y_axes().joined(tensorwise, rowwise)  # the blocks compare on one scale
+
+    def bands(ax) -> int:
+        return len([c for c in ax.collections if isinstance(c, PolyCollection)])
+
+    assert (bands(tensorwise), bands(rowwise)) == (3, 2)  # BF16 in each block, then the block's own arms
+    texts = _texts(fig)
+    assert "tensorwise" in texts and "rowwise" in texts  # the blocks' headers
+    assert any("clip bounds" in ax.get_title() for ax in drawn) and "garbled rollouts" in texts
+    assert not any(str(tmp_path) in text or "sqlite" in text for text in texts)
     figures._plt().close(fig)
 
 
-def test_colour_is_the_recipe_and_line_style_the_method(store: str) -> None:
+def test_each_arm_has_its_recipe_block_its_own_colour_and_the_method_as_line_style(store: str) -> None:
     run_data, group_by, _ = load_runs(EXPERIMENT, ["rollout/entropy"], tracking_uri=store)
     groups: dict = {}
     for run in run_data:
         groups.setdefault(run.group, []).append(run)
     styles = {group[0]: style for group, style in figures.arm_styles(groups, group_by).items()}
-    assert styles["bf16"].color == to_rgb("black") and styles["bf16"].linestyle == "-"
-    assert styles["fp8_tensorwise"].color == styles["cc_tensorwise"].color == to_rgb("tab:blue")
+    assert styles["bf16"].color == to_rgb("black") and styles["bf16"].column == figures.REFERENCE
+    assert styles["fp8_tensorwise"].column == styles["cc_tensorwise"].column == "tensorwise"
+    assert styles["fp8_tensorwise"].color != styles["cc_tensorwise"].color
     assert (styles["fp8_tensorwise"].linestyle, styles["cc_tensorwise"].linestyle) == ("--", "-")
-    assert styles["cc_rowwise"].color == to_rgb("tab:orange")
+    assert styles["cc_rowwise"].column == "rowwise"
+    assert figures.figure_columns(figures.arm_styles(groups, group_by)) == ["tensorwise", "rowwise"]
     assert styles["cc_tensorwise"].label.startswith("FP8 + CC tensorwise (arm=cc_tensorwise; 3 seeds)")
+
+
+def test_bf16_arms_beside_the_reference_get_a_block_of_their_own() -> None:
+    from fp8rl.report.frames import RunData
+
+    bf16 = {"precision": "bf16", "recipe": "none", "clipping": "standard"}
+    groups = {(arm,): [RunData(arm, arm, (arm,), bf16, {}, {})] for arm in ("bf16", "control_dropjunk")}
+    styles = figures.arm_styles(groups, ["arm"])
+    assert styles["control_dropjunk",].column == figures.BF16_COLUMN and styles["bf16",].column == figures.REFERENCE
+    assert figures.figure_columns(styles) == [figures.BF16_COLUMN]
+    assert figures.figure_columns({("bf16",): styles["bf16",]}) == [figures.REFERENCE]  # the reference alone
 
 
 def test_figures_are_written_and_attached_to_the_sweeps_parent_run(store: str, tmp_path: Path) -> None:
