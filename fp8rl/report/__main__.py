@@ -5,6 +5,8 @@ rebuild [EXP ...]     re-render tables from their own ``*.runs.csv`` / ``*.runs.
                       MLflow store; default: every table there)
 mechanism             the one-step mechanism study's tables (experiment ``mechanism-<scale>``)
 reruns EXP [EXP ...]  whether each run of EXP that repeats a config hash of another experiment reproduced it
+reproduction EXP --again DIR
+                      each run of a table against the same table's runs in DIR (its files from another run)
 figures               training curves of every table present in MLflow, and the mechanism plots
 index                 INDEX.md and PROVENANCE.json for everything in the output folder
 """
@@ -71,6 +73,11 @@ def cmd_reruns(args: argparse.Namespace) -> list[Path]:
     for experiment in args.experiments:
         written += reruns.write_reruns(f"{experiment}-{args.scale}", args.out, tracking_uri=args.tracking_uri)
     return written
+
+
+def cmd_reproduction(args: argparse.Namespace) -> list[Path]:
+    stem = f"{args.experiment}-{args.scale}"
+    return reruns.write_reproduction(stem, list(tables.columns_of(args.experiment)), args.out, args.again, args.out)
 
 
 def cmd_mechanism(args: argparse.Namespace) -> list[Path]:
@@ -162,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("rebuild", help="re-render tables from their own per-run files").add_argument(
         "experiments", nargs="*", help=f"default: every table in the output folder; of {', '.join(TABLE_EXPERIMENTS)}"
     )
+    again = sub.add_parser("reproduction", help="a table's runs against the same table run again (its files in DIR)")
+    again.add_argument("experiment", choices=TABLE_EXPERIMENTS)
+    again.add_argument("--again", type=Path, required=True, metavar="DIR", help="the other run's table folder")
     for name in ("mechanism", "figures", "index"):
         sub.add_parser(name)
     args = parser.parse_args(argv)
@@ -170,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "table": cmd_table,
         "rebuild": cmd_rebuild,
         "reruns": cmd_reruns,
+        "reproduction": cmd_reproduction,
         "mechanism": cmd_mechanism,
         "figures": cmd_figures,
         "index": cmd_index,

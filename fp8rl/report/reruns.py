@@ -5,6 +5,9 @@ arms with another (an ablation beside a table) runs them again. `write_reruns` p
 experiment with every finished run of the same config hash in the store's other experiments and compares each
 metric both logged, step by step (NaN equals NaN: a bit-identical history is identical). Timings, system and
 launch metrics are left out: they measure the machine, not the run.
+
+`write_reproduction` compares a table with the same table run again elsewhere (another store, commit or machine),
+run by run (same arm and seed), in every per-run column of the two ``*.runs.csv``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from fp8rl.report.frames import Column
+from fp8rl.report.tables import read_table_runs
 from fp8rl.tracking import store
 
 MACHINE_METRICS = ("time/", "system/", "launch/")
@@ -103,3 +108,44 @@ def _row(run, other, other_experiment: str, result: HistoryComparison) -> dict[s
         "largest abs difference": result.largest_difference,
         "first differing metric": result.first_different or "-",
     }
+
+
+def write_reproduction(stem: str, columns: list[Column], published: Path, again: Path, out_dir: Path) -> list[Path]:
+    """``<stem>.reproduction.md`` / ``.csv``: each run of the table in `published` against the run of the same arm
+    and seed in `again` (the table's files written by another run of its sweep), in every column of `columns`: how
+    many are equal (NaN equals NaN; values as written, so bit for bit) and the largest absolute difference."""
+    mine, theirs = read_table_runs(published, stem, columns), read_table_runs(again, stem, columns)
+    keys = [*mine.names, "seed"]
+    if theirs.names != mine.names:
+        raise SystemExit(f"{stem}: the two tables group their runs by {mine.names} and {theirs.names}")
+    other = theirs.per_run.set_index(keys)
+    rows = []
+    for _, run in mine.per_run.iterrows():
+        key = tuple(run[k] for k in keys)
+        match = other.loc[key] if key in other.index else None
+        gaps = [_gap(run[c.label], match[c.label]) for c in columns] if match is not None else []
+        rows.append(
+            {
+                **{k: run[k] for k in keys},
+                "run id": run["run_id"],
+                "git": run["git_sha"][:10],
+                "again: run id": "-" if match is None else match["run_id"],
+                "again: git": "-" if match is None else match["git_sha"][:10],
+                "columns equal": sum(g == 0.0 for g in gaps),
+                "of": len(gaps),
+                "largest abs difference": max(gaps, default=math.nan),
+                "differing columns": ", ".join(c.name for c, g in zip(columns, gaps, strict=False) if g) or "-",
+            }
+        )
+    frame = pd.DataFrame(rows)
+    equal = int((frame["columns equal"] == len(columns)).sum())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, csv_path = out_dir / f"{stem}.reproduction.md", out_dir / f"{stem}.reproduction.csv"
+    title = (
+        f"Table `{stem}` run again: {equal} of {len(frame)} run(s) give the published values in all {len(columns)} "
+        f"per-run columns, bit for bit (runs matched by {', '.join(keys)}; published runs at git "
+        f"{', '.join(sorted(set(frame['git'])))}, again at git {', '.join(sorted(set(frame['again: git'])))})."
+    )
+    md.write_text(f"{title}\n\n{frame.to_markdown(index=False, floatfmt='.3g')}\n")
+    frame.to_csv(csv_path, index=False)
+    return [md, csv_path]

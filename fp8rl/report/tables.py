@@ -290,8 +290,10 @@ def read_table_runs(out_dir: Path, stem: str, columns: Sequence[Column]) -> Tabl
     runs_csv, runs_json = out_dir / f"{stem}.runs.csv", out_dir / f"{stem}.runs.json"
     for path in (runs_csv, runs_json):
         if not path.exists():
-            raise SystemExit(f"{path} is missing: a table is re-rendered from its own per-run files; build it from "
-                             "MLflow instead (`python -m fp8rl.report table ...` after its sweep)")  # fmt: skip
+            raise SystemExit(
+                f"{path} is missing: a table's per-run files are written by `python -m fp8rl.report table ...` "
+                "from MLflow after its sweep"
+            )
     raw = pd.read_csv(runs_csv, dtype=str, keep_default_na=False)
     by_column = {c.label: c for c in columns} | {c.name: c for c in columns}
     absent = [c.name for c in columns if c.label not in raw.columns and c.name not in raw.columns]

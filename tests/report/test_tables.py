@@ -278,7 +278,7 @@ def test_a_per_run_file_written_with_labels_before_the_names_re_renders_the_same
 
 
 def test_re_rendering_without_the_files_says_what_to_do(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="build it from MLflow instead"):
+    with pytest.raises(SystemExit, match="per-run files are written by"):
         tables.rebuild_table("grpo_granularity-tiny", tmp_path)
     with pytest.raises(SystemExit, match="no table's"):
         main(["--out", str(tmp_path), "rebuild"])
@@ -309,3 +309,21 @@ def test_every_column_has_a_distinct_identifier_and_a_definition_in_the_index(st
         "clip/low_neg after 1st calibration",
         "`clip/low_neg`: the mean over the steps after the first calibration",
     ]
+
+
+def test_a_table_run_again_is_compared_run_by_run_in_every_column(store: str, tmp_path: Path) -> None:
+    published, again = tmp_path / "published", tmp_path / "again"
+    tables.write_table("grpo_granularity-tiny", published, tracking_uri=store)
+    tables.write_table("grpo_granularity-tiny", again, tracking_uri=store)
+    per_run = pd.read_csv(again / "grpo_granularity-tiny.runs.csv", dtype=str, keep_default_na=False)
+    per_run.loc[0, "peak_entropy"] = repr(float(per_run.loc[0, "peak_entropy"]) + 2.0**-40)  # one run, one column
+    per_run.to_csv(again / "grpo_granularity-tiny.runs.csv", index=False)
+    assert main(["--out", str(published), "reproduction", "grpo_granularity", "--again", str(again)]) == 0
+    md = (published / "grpo_granularity-tiny.reproduction.md").read_text()
+    assert md.startswith("Table `grpo_granularity-tiny` run again: 5 of 6 run(s) give the published values in all 21")
+    rows = list(csv.DictReader(open(published / "grpo_granularity-tiny.reproduction.csv")))
+    differing = [r for r in rows if r["differing columns"] != "-"]
+    assert [(r["arm"], r["seed"], r["columns equal"], r["differing columns"]) for r in differing] == [
+        (per_run.loc[0, "arm"], per_run.loc[0, "seed"], "20", "peak_entropy")
+    ]
+    assert float(differing[0]["largest abs difference"]) == pytest.approx(2.0**-40, rel=0.01)
