@@ -3,12 +3,12 @@
 Training curves, as small multiples: one block of axes (a panel per metric) per FP8 recipe, and one for the
 BF16-precision arms other than the reference, so that an axes holds a few arms only; the BF16 arm
 (`REFERENCE`) is drawn in black in every block, and a metric's axes share their y-range across blocks so that
-the blocks compare. Each arm is the mean
-over its seeds at each step with a band of ± one sample standard deviation (none for a single seed); within a
-column every arm has its own colour, and the line style says the method (BF16 / FP8 rollout / vanilla FP8 /
-FP8 + Calibrated Clipping). Every panel has a y-label with its unit; titles carry the experiment's name and run
-count, never a machine's path. Each figure is written as PNG and PDF and attached to the sweep's parent run in
-MLflow (artifact folder ``figures/``).
+the blocks compare. Each arm is the mean over its seeds at each step with a band of ± one sample standard
+deviation (none for a single seed). Colour and line style both say the method (FP8 rollout purple dotted,
+vanilla FP8 red dashed, FP8 + Calibrated Clipping blue solid), the same in every block; arms of one method in
+one block (an ablation's K) take the next free colours. Every panel has a y-label with its unit; titles carry
+the experiment's name and run count, never a machine's path. Each figure is written as PNG and PDF and attached
+to the sweep's parent run in MLflow (artifact folder ``figures/``).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")  # the blocks' order
 BF16_COLUMN = "BF16 arms"  # the block of BF16-precision arms other than the reference (ablations, controls)
 REFERENCE = REFERENCE_ARM  # the arm drawn in every column
 REFERENCE_COLOR = "black"
+METHOD_COLOR = {"bf16": "tab:green", "fp8_rollout": "tab:purple", "fp8": "tab:red", "cc": "tab:blue"}
 ARM_COLORS = ("tab:blue", "tab:red", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:cyan")
 STEP_LABEL = "RL step"
 
@@ -81,11 +82,12 @@ class ArmStyle:
 
 
 def arm_styles(groups: dict[tuple[str, ...], list[RunData]], group_by: Sequence[str]) -> dict[tuple, ArmStyle]:
-    """Per arm: its column (the FP8 recipe; `BF16_COLUMN`; `REFERENCE` for the BF16 arm), a colour of its own within
-    the column (black for the reference), a line style by method and a legend label with its seed count."""
+    """Per arm: its block (the FP8 recipe; `BF16_COLUMN`; `REFERENCE` for the BF16 arm), its method's colour (the
+    next free one where a block has several arms of a method, black for the reference), a line style by method and
+    a legend label with its seed count."""
     from matplotlib.colors import to_rgb
 
-    used: dict[str, int] = {}
+    taken: dict[str, list[str]] = {}  # block -> colours given in it
     styles = {}
     for group, members in groups.items():
         tags = members[0].tags
@@ -95,8 +97,10 @@ def arm_styles(groups: dict[tuple[str, ...], list[RunData]], group_by: Sequence[
             column, color = REFERENCE, to_rgb(REFERENCE_COLOR)
         else:
             column = recipe or BF16_COLUMN
-            used[column] = used.get(column, -1) + 1
-            color = to_rgb(ARM_COLORS[used[column] % len(ARM_COLORS)])
+            used = taken.setdefault(column, [])
+            free = [c for c in (METHOD_COLOR[method], *ARM_COLORS) if c not in used] or list(ARM_COLORS)
+            used.append(free[0])
+            color = to_rgb(free[0])
         linestyle, method_name = METHOD_STYLE[method]
         axes = ", ".join(f"{compare_name(k)}={v}" for k, v in zip(group_by, group, strict=True) if v)
         label = f"{method_name}{f' {recipe}' if recipe else ''} ({axes}; {len(members)} seeds)"
@@ -184,7 +188,7 @@ def curve_figure(experiment: str, run_data: list[RunData], group_by: Sequence[st
         anchor.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.05, 1.0), fontsize=8, frameon=False)
     fig.suptitle(
         f"{experiment}: mean over seeds, band ± 1 sd ({len(run_data)} runs). One block per FP8 recipe, BF16 in black "
-        "in each; line style = method (FP8 rollout dotted, vanilla FP8 dashed, BF16 and FP8 + CC solid)",
+        "in each; FP8 rollout purple dotted, vanilla FP8 red dashed, FP8 + CC blue solid",
         fontsize=12,
     )
     fig.tight_layout(rect=(0, 0, 1, 0.98), h_pad=2.0)

@@ -87,19 +87,22 @@ def test_each_arm_has_its_recipe_block_its_own_colour_and_the_method_as_line_sty
     styles = {group[0]: style for group, style in figures.arm_styles(groups, group_by).items()}
     assert styles["bf16"].color == to_rgb("black") and styles["bf16"].column == figures.REFERENCE
     assert styles["fp8_tensorwise"].column == styles["cc_tensorwise"].column == "tensorwise"
-    assert styles["fp8_tensorwise"].color != styles["cc_tensorwise"].color
+    assert styles["fp8_tensorwise"].color == to_rgb("tab:red") and styles["cc_tensorwise"].color == to_rgb("tab:blue")
+    assert styles["cc_rowwise"].color == styles["cc_tensorwise"].color  # a method's colour in every block
     assert (styles["fp8_tensorwise"].linestyle, styles["cc_tensorwise"].linestyle) == ("--", "-")
     assert styles["cc_rowwise"].column == "rowwise"
     assert figures.figure_columns(figures.arm_styles(groups, group_by)) == ["tensorwise", "rowwise"]
     assert styles["cc_tensorwise"].label.startswith("FP8 + CC tensorwise (arm=cc_tensorwise; 3 seeds)")
 
 
-def test_bf16_arms_beside_the_reference_get_a_block_of_their_own() -> None:
+def test_bf16_arms_beside_the_reference_get_a_block_of_their_own_and_colours_of_their_own() -> None:
     from fp8rl.report.frames import RunData
 
     bf16 = {"precision": "bf16", "recipe": "none", "clipping": "standard"}
-    groups = {(arm,): [RunData(arm, arm, (arm,), bf16, {}, {})] for arm in ("bf16", "control_dropjunk")}
+    arms = ("bf16", "control_dropjunk", "control_dropother")
+    groups = {(arm,): [RunData(arm, arm, (arm,), bf16, {}, {})] for arm in arms}
     styles = figures.arm_styles(groups, ["arm"])
+    assert len({styles[arm,].color for arm in arms}) == 3  # two arms of one method in one block: two colours
     assert styles["control_dropjunk",].column == figures.BF16_COLUMN and styles["bf16",].column == figures.REFERENCE
     assert figures.figure_columns(styles) == [figures.BF16_COLUMN]
     assert figures.figure_columns({("bf16",): styles["bf16",]}) == [figures.REFERENCE]  # the reference alone
