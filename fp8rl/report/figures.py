@@ -61,7 +61,7 @@ BF16_COLUMN = "BF16 arms"  # the block of BF16-precision arms other than the ref
 REFERENCE = REFERENCE_ARM  # the arm drawn in every column
 REFERENCE_COLOR = "black"
 METHOD_COLOR = {"bf16": "tab:green", "fp8_rollout": "tab:purple", "fp8": "tab:red", "cc": "tab:blue"}
-ARM_COLORS = ("tab:blue", "tab:red", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:cyan")
+ARM_COLORS = ("tab:orange", "tab:cyan", "tab:olive", "tab:brown", "tab:pink", "tab:gray")  # after a method's own colour
 STEP_LABEL = "RL step"
 
 
