@@ -150,10 +150,10 @@ figures: setup  ## the figures from MLflow
 	$(REPORT) figures
 
 # Every table of results/<scale>/ re-rendered in the current layout from its own *.runs.csv / *.runs.json: the same
-# numbers, no MLflow store needed (the published tables' store is not kept).
-tables: setup  ## re-render every table of results/<scale>/ from its own per-run files, and the index
+# numbers, no MLflow store needed (the published tables' store is not kept); the same files give the same bytes.
+# (`$(REPORT) index` lists new files in INDEX.md.)
+tables: setup  ## re-render every table of results/<scale>/ from its own per-run files
 	$(REPORT) rebuild
-	$(REPORT) index
 
 # The CPU-scale collapse study (design and pre-registered endpoints in results/studies/2026-12-01-collapse.md): the lr pilot (the
 # noise-to-signal criterion), the positive control (BF16 + synthetic over-clipping, with BF16 seed 0 beside

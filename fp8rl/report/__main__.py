@@ -1,4 +1,4 @@
-"""``python -m fp8rl.report --scale tiny --out results/tiny <what>``: rebuild results from MLflow.
+"""``python -m fp8rl.report --scale tiny --out results/tiny <what>``: build results from MLflow, or re-render them.
 
 table EXP [EXP ...]   the paper table of each sweep experiment (MLflow experiment ``EXP-<scale>``)
 rebuild [EXP ...]     re-render tables from their own ``*.runs.csv`` / ``*.runs.json`` in the output folder (no
@@ -146,7 +146,7 @@ def cmd_index(args: argparse.Namespace) -> list[Path]:
         "",
         "The tables' columns: `metric` in each `<table>.csv` and `<table>.paired.csv` and the column names of each "
         "`<table>.runs.csv`, the column headers of the Markdown tables, and what each holds per run (a table's cell "
-        "is the mean ± std of that over the arm's runs).",
+        "is the mean ± std of that over the arm's runs; a `<table>.csv` leaves std empty below 2 runs).",
         "",
         tables.columns_codebook(TABLE_EXPERIMENTS).to_markdown(index=False),
     ]

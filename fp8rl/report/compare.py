@@ -4,7 +4,7 @@ Each metric is reduced per run (``last``, ``mean``, ``max`` or ``min`` over its 
 grouped by the sweep axes (default: the parent run's ``fp8rl.axes`` without seeds) and each group gets
 mean and std over its runs (seeds), with `fp8rl.report.frames`. Prints the table and writes ``<name>.md``,
 ``<name>.csv`` (one row per group and metric: n, mean, std) and ``<name>.runs.csv`` (one row per run, with its
-MLflow run id), both with identifier column names (`fp8rl.report.frames.tidy_name`).
+MLflow run id), both naming metrics by identifiers (`fp8rl.report.frames.tidy_name`; the grouping keys as given).
 """
 
 from __future__ import annotations

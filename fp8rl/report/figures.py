@@ -62,6 +62,7 @@ REFERENCE = REFERENCE_ARM  # the arm drawn in every column
 REFERENCE_COLOR = "black"
 METHOD_COLOR = {"bf16": "tab:green", "fp8_rollout": "tab:purple", "fp8": "tab:red", "cc": "tab:blue"}
 ARM_COLORS = ("tab:orange", "tab:cyan", "tab:olive", "tab:brown", "tab:pink", "tab:gray")  # after a method's own colour
+LINE_NAMES = {"-": "solid", "--": "dashed", ":": "dotted"}
 STEP_LABEL = "RL step"
 
 
@@ -78,7 +79,8 @@ class ArmStyle:
     color: Any
     linestyle: str
     label: str
-    column: str  # the recipe column it is drawn in; `REFERENCE` for the arm drawn in all
+    column: str  # the recipe block it is drawn in; `REFERENCE` for the arm drawn in all
+    method: str  # `method_of` its runs
 
 
 def arm_styles(groups: dict[tuple[str, ...], list[RunData]], group_by: Sequence[str]) -> dict[tuple, ArmStyle]:
@@ -93,7 +95,7 @@ def arm_styles(groups: dict[tuple[str, ...], list[RunData]], group_by: Sequence[
         tags = members[0].tags
         method = method_of(tags)
         recipe = "" if method == "bf16" else tags.get("recipe", "none")
-        if REFERENCE in group:
+        if _is_reference(group, group_by):
             column, color = REFERENCE, to_rgb(REFERENCE_COLOR)
         else:
             column = recipe or BF16_COLUMN
@@ -104,8 +106,13 @@ def arm_styles(groups: dict[tuple[str, ...], list[RunData]], group_by: Sequence[
         linestyle, method_name = METHOD_STYLE[method]
         axes = ", ".join(f"{compare_name(k)}={v}" for k, v in zip(group_by, group, strict=True) if v)
         label = f"{method_name}{f' {recipe}' if recipe else ''} ({axes}; {len(members)} seeds)"
-        styles[group] = ArmStyle(color, linestyle, label, column)
+        styles[group] = ArmStyle(color, linestyle, label, column, method)
     return styles
+
+
+def _is_reference(group: tuple[str, ...], group_by: Sequence[str]) -> bool:
+    """The arm named `REFERENCE` on the sweep's arm axis (not any group with a "bf16" value on another axis)."""
+    return any(compare_name(key) == "arm" and value == REFERENCE for key, value in zip(group_by, group, strict=True))
 
 
 def figure_columns(styles: dict[tuple, ArmStyle]) -> list[str]:
@@ -186,13 +193,22 @@ def curve_figure(experiment: str, run_data: list[RunData], group_by: Sequence[st
         ]
         anchor = axes[index * block, -1]
         anchor.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.05, 1.0), fontsize=8, frameon=False)
-    fig.suptitle(
-        f"{experiment}: mean over seeds, band ± 1 sd ({len(run_data)} runs). One block per FP8 recipe, BF16 in black "
-        "in each; FP8 rollout purple dotted, vanilla FP8 red dashed, FP8 + CC blue solid",
-        fontsize=12,
-    )
+    fig.suptitle(_title(experiment, len(run_data), facets, styles), fontsize=12)
     fig.tight_layout(rect=(0, 0, 1, 0.98), h_pad=2.0)
     return fig
+
+
+def _title(experiment: str, runs_drawn: int, facets: list[str], styles: dict[tuple, ArmStyle]) -> str:
+    """The figure's title: what it shows, and how the methods it draws look."""
+    blocks = "one block per FP8 recipe" if any(f in RECIPES for f in facets) else "one block"
+    reference = ", BF16 in black in each" if any(s.column == REFERENCE for s in styles.values()) else ""
+    drawn = {s.method for s in styles.values() if s.column != REFERENCE}
+    methods = [
+        f"{METHOD_STYLE[m][1]} {METHOD_COLOR[m].removeprefix('tab:')} {LINE_NAMES[METHOD_STYLE[m][0]]}"
+        for m in METHOD_STYLE
+        if m in drawn
+    ]
+    return f"{experiment}: mean over seeds, band ± 1 sd ({runs_drawn} runs); {blocks}{reference}; {', '.join(methods)}"
 
 
 def _plt():

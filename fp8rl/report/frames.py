@@ -261,15 +261,17 @@ def tidy_runs(per_run: pd.DataFrame, columns: Sequence[Column]) -> pd.DataFrame:
 
 def tidy_stats(table: pd.DataFrame, group_by: Sequence[str], columns: Sequence[Column]) -> pd.DataFrame:
     """`grouped`'s table long: one row per group (in its order) and metric (in column order) with the grouping keys,
-    ``metric`` (`Column.name`), ``n`` (the group's runs with a value), ``mean`` and ``std`` (a tidy CSV)."""
+    ``metric`` (`Column.name`), ``n`` (the group's runs with a value), ``mean`` and ``std`` (empty below 2 runs): a
+    tidy CSV."""
     rows = [
         {**{key: group[key] for key in group_by}, "metric": column.name}
         | {stat: group[f"{column.label}:{stat}"] for stat in ("n", "mean", "std")}
         for _, group in table.iterrows()
         for column in columns
     ]
-    frame = pd.DataFrame(rows, columns=[*group_by, "metric", "n", "mean", "std"])
-    return frame.astype({"n": int})
+    frame = pd.DataFrame(rows, columns=[*group_by, "metric", "n", "mean", "std"]).astype({"n": int})
+    frame.loc[frame["n"] < 2, "std"] = math.nan  # no spread from one run (the Markdown shows its value alone)
+    return frame
 
 
 def cells(table: pd.DataFrame, group_by: Sequence[str], columns: Sequence[Column]) -> pd.DataFrame:

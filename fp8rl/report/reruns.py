@@ -111,41 +111,63 @@ def _row(run, other, other_experiment: str, result: HistoryComparison) -> dict[s
 
 
 def write_reproduction(stem: str, columns: list[Column], published: Path, again: Path, out_dir: Path) -> list[Path]:
-    """``<stem>.reproduction.md`` / ``.csv``: each run of the table in `published` against the run of the same arm
+    """``<stem>.reproduction.md`` / ``.csv``: each run of the table in `published` against the run of the same group
     and seed in `again` (the table's files written by another run of its sweep), in every column of `columns`: how
-    many are equal (NaN equals NaN; values as written, so bit for bit) and the largest absolute difference."""
+    many hold the same float (NaN equals NaN, -0.0 does not equal 0.0: bit for bit, as written) and the largest
+    absolute difference. A published run without a counterpart is ``missing``; runs only `again` has are counted."""
     mine, theirs = read_table_runs(published, stem, columns), read_table_runs(again, stem, columns)
-    keys = [*mine.names, "seed"]
     if theirs.names != mine.names:
         raise SystemExit(f"{stem}: the two tables group their runs by {mine.names} and {theirs.names}")
+    keys = [*mine.names, *(["seed"] if "seed" in mine.per_run.columns else [])]
+    for frame, where in ((mine.per_run, published), (theirs.per_run, again)):
+        if frame.duplicated(keys).any():
+            raise SystemExit(f"{where / stem}.runs.csv holds several runs of one {', '.join(keys)}")
     other = theirs.per_run.set_index(keys)
-    rows = []
-    for _, run in mine.per_run.iterrows():
-        key = tuple(run[k] for k in keys)
-        match = other.loc[key] if key in other.index else None
-        gaps = [_gap(run[c.label], match[c.label]) for c in columns] if match is not None else []
-        rows.append(
-            {
-                **{k: run[k] for k in keys},
-                "run id": run["run_id"],
-                "git": run["git_sha"][:10],
-                "again: run id": "-" if match is None else match["run_id"],
-                "again: git": "-" if match is None else match["git_sha"][:10],
-                "columns equal": sum(g == 0.0 for g in gaps),
-                "of": len(gaps),
-                "largest abs difference": max(gaps, default=math.nan),
-                "differing columns": ", ".join(c.name for c, g in zip(columns, gaps, strict=False) if g) or "-",
-            }
-        )
+    rows = [_reproduction_row(run, other, keys, columns) for _, run in mine.per_run.iterrows()]
     frame = pd.DataFrame(rows)
-    equal = int((frame["columns equal"] == len(columns)).sum())
+    published_keys = set(mine.per_run[keys].itertuples(index=False, name=None))
+    extra = sum(key not in published_keys for key in theirs.per_run[keys].itertuples(index=False, name=None))
     out_dir.mkdir(parents=True, exist_ok=True)
     md, csv_path = out_dir / f"{stem}.reproduction.md", out_dir / f"{stem}.reproduction.csv"
-    title = (
-        f"Table `{stem}` run again: {equal} of {len(frame)} run(s) give the published values in all {len(columns)} "
-        f"per-run columns, bit for bit (runs matched by {', '.join(keys)}; published runs at git "
-        f"{', '.join(sorted(set(frame['git'])))}, again at git {', '.join(sorted(set(frame['again: git'])))})."
-    )
-    md.write_text(f"{title}\n\n{frame.to_markdown(index=False, floatfmt='.3g')}\n")
+    md.write_text(f"{_reproduction_title(stem, frame, keys, len(columns), extra)}\n\n"
+                  f"{frame.to_markdown(index=False, floatfmt='.3g')}\n")  # fmt: skip
     frame.to_csv(csv_path, index=False)
     return [md, csv_path]
+
+
+def _reproduction_row(run: pd.Series, other: pd.DataFrame, keys: list[str], columns: list[Column]) -> dict:
+    key = tuple(run[k] for k in keys) if len(keys) > 1 else run[keys[0]]
+    match = other.loc[key] if key in other.index else None
+    gaps = [] if match is None else [_bitwise_gap(run[c.label], match[c.label]) for c in columns]
+    return {
+        **{k: run[k] for k in keys},
+        "status": "missing" if match is None else "equal" if not any(gaps) else "different",
+        "run_id": run["run_id"],
+        "git": run.get("git_sha", "")[:10],
+        "again_run_id": "" if match is None else match["run_id"],
+        "again_git": "" if match is None else match.get("git_sha", "")[:10],
+        "columns_equal": sum(g == 0.0 for g in gaps),
+        "columns": len(gaps),
+        "largest_abs_difference": max(gaps, default=math.nan),
+        "differing_columns": " ".join(c.name for c, g in zip(columns, gaps, strict=False) if g),
+    }
+
+
+def _bitwise_gap(a: float, b: float) -> float:
+    """`_gap`, but 0.0 against -0.0 counts as different (the smallest float, for a count of differing columns)."""
+    gap = _gap(a, b)
+    if gap == 0.0 and not math.isnan(a) and math.copysign(1.0, a) != math.copysign(1.0, b):
+        return 5e-324
+    return gap
+
+
+def _reproduction_title(stem: str, frame: pd.DataFrame, keys: list[str], n_columns: int, extra: int) -> str:
+    equal = int((frame["status"] == "equal").sum())
+    missing = int((frame["status"] == "missing").sum())
+    again = sorted({g for g in frame["again_git"] if g}) or ["-"]
+    return (
+        f"Table `{stem}` run again: {equal} of {len(frame)} published run(s) give the published values in all "
+        f"{n_columns} per-run columns, bit for bit; {missing} have no run in the other table, which has {extra} run(s) "
+        f"the published table lacks (runs matched by {', '.join(keys)}; published runs at git "
+        f"{', '.join(sorted(set(frame['git'])))}, again at git {', '.join(again)})."
+    )

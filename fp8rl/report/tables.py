@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -212,43 +212,50 @@ def columns_codebook(experiments: Sequence[str]) -> pd.DataFrame:
     )
 
 
-def provenance_header(
-    experiment: str, run_data: list[RunData], uri: str, superseded: int = 0, rebuilt_from: str | None = None
-) -> str:
-    """The table's first line: where its runs and values come from, their commits and machines, the surge rule."""
+def provenance_header(experiment: str, source: TableRuns, rebuilt_from: str | None = None) -> str:
+    """The table's first line: where its runs and values come from, their commits, machines and dates, the surge
+    rule. A table built from MLflow says when; a re-rendered one does not (the same files give the same text)."""
+    run_data = source.run_data
     shas = sorted(
         {r.tags.get("git_sha", "?")[:10] + ("-dirty" if r.tags.get("git_dirty") == "true" else "") for r in run_data}
     )
     hosts = sorted({r.tags.get("machine.hostname", "?") for r in run_data})
-    source = f"from MLflow `{runs.display_uri(uri)}`"
-    made = "generated"
+    dates = sorted(r.tags["date"][:10] for r in run_data if r.tags.get("date"))
+    dated = f" ({dates[0]}{f' to {dates[-1]}' if dates[-1] != dates[0] else ''})" if dates else ""
     if rebuilt_from:
-        source = f"(their per-run values as read from MLflow `{uri}`, kept in `{rebuilt_from}`)"
+        source_text = f"(their per-run values as read from MLflow `{source.mlflow}`, kept in `{rebuilt_from}`)"
         made = "re-rendered from that file"
-    return (
-        f"Table `{experiment}`: {len(run_data)} finished run(s) {source}; mean ± std "
-        f"over seeds. Runs at git {', '.join(shas)} on {', '.join(hosts)}; {made} "
-        f"{time.strftime('%Y-%m-%d %H:%M %Z')} by `python -m fp8rl.report`. Surge detector: "
-        f"fp8rl/report/surge.py (ratio >= {SURGE_RULE.ratio}, rise >= {SURGE_RULE.min_rise} nats); "
-        "`surged` = fraction of runs."
-        + (
-            f" {superseded} older run(s) of the same arm and seed, superseded by a re-run, are left out (they stay in "
-            "MLflow)."
-            if superseded
-            else ""
+    else:
+        source_text = f"from MLflow `{source.mlflow}`"
+        made = f"generated {time.strftime('%Y-%m-%d %H:%M %Z')}"
+    notes = ""
+    if source.superseded:
+        notes += (
+            f" {source.superseded} older run(s) of the same arm and seed, superseded by a re-run, are left out (they "
+            "stay in MLflow)."
         )
+    if source.missing:
+        notes += f" Columns added after the per-run file was written have no values here (`-`): {source.missing}."
+    return (
+        f"Table `{experiment}`: {len(run_data)} finished run(s) {source_text}; mean ± std over seeds. Runs at git "
+        f"{', '.join(shas)} on {', '.join(hosts)}{dated}; {made} by `python -m fp8rl.report`. Surge detector: "
+        f"fp8rl/report/surge.py (ratio >= {SURGE_RULE.ratio}, rise >= {SURGE_RULE.min_rise} nats); "
+        f"`surged` = fraction of runs.{notes}"
     )
 
 
 @dataclass
 class TableRuns:
     """What a table is built from: the runs (tags and resolved configs), one row of reduced values per run
-    (columns named by label), the grouping keys' names, and the MLflow store they were read from."""
+    (columns named by label), the grouping keys' names, the MLflow store they were read from, how many older runs
+    re-runs superseded, and the table's columns that a per-run file written before them lacks."""
 
     run_data: list[RunData]
     per_run: pd.DataFrame
     names: list[str]
     mlflow: str
+    superseded: int = 0
+    missing: list[str] = field(default_factory=list)
 
 
 def write_table(
@@ -267,10 +274,8 @@ def write_table(
         raise SystemExit(f"MLflow experiment {experiment!r} has no finished runs yet")
     names = [compare_name(g) for g in group_by]
     per_run = runs_frame(run_data, columns, group_by).rename(columns=dict(zip(group_by, names, strict=True)))
-    header = provenance_header(experiment, run_data, uri, superseded)
-    return _write(
-        experiment, out_dir, columns, TableRuns(run_data, per_run, names, runs.display_uri(uri)), header, name
-    )
+    source = TableRuns(run_data, per_run, names, runs.display_uri(uri), superseded)
+    return _write(experiment, out_dir, columns, source, provenance_header(experiment, source), name)
 
 
 def rebuild_table(
@@ -280,13 +285,19 @@ def rebuild_table(
     the same numbers, in the current layout."""
     stem = name or experiment
     source = read_table_runs(out_dir, stem, columns)
-    header = provenance_header(experiment, source.run_data, source.mlflow, rebuilt_from=f"{stem}.runs.csv")
-    return _write(experiment, out_dir, columns, source, header, name)
+    return _write(experiment, out_dir, columns, source, provenance_header(experiment, source, f"{stem}.runs.csv"), name)
+
+
+HEAD_COLUMNS = ("run_id", "run_name", "git_sha", "seed")  # a per-run file's columns before the grouping keys
 
 
 def read_table_runs(out_dir: Path, stem: str, columns: Sequence[Column]) -> TableRuns:
     """A written table's runs back from its ``.runs.csv`` (metric columns by CSV name or, in files written before
-    the names, by label; floats as written, so exact) and ``.runs.json``."""
+    the names, by label; floats as written, so exact) and ``.runs.json`` (configs, tags, the grouping keys).
+
+    A column of the table that the file lacks (added to the table later) is NaN and named in `TableRuns.missing`;
+    a file column that is no longer the table's is left out. Files written before ``.runs.json`` named the grouping
+    keys hold no other columns than head, keys and the table's: the keys are the rest."""
     runs_csv, runs_json = out_dir / f"{stem}.runs.csv", out_dir / f"{stem}.runs.json"
     for path in (runs_csv, runs_json):
         if not path.exists():
@@ -295,43 +306,70 @@ def read_table_runs(out_dir: Path, stem: str, columns: Sequence[Column]) -> Tabl
                 "from MLflow after its sweep"
             )
     raw = pd.read_csv(runs_csv, dtype=str, keep_default_na=False)
-    by_column = {c.label: c for c in columns} | {c.name: c for c in columns}
-    absent = [c.name for c in columns if c.label not in raw.columns and c.name not in raw.columns]
-    if absent:
-        raise SystemExit(f"{runs_csv} has no column for {absent}: it was written with other columns than this table's")
-    head = [h for h in ("run_id", "run_name", "git_sha", "seed") if h in raw.columns]
-    names = [c for c in raw.columns if c not in head and c not in by_column]
-    per_run = raw[[*head, *names]].copy()
-    for column in columns:
-        text = raw[column.label if column.label in raw.columns else column.name]
-        per_run[column.label] = [float(v) if v else math.nan for v in text]  # float(): correctly rounded, exact
     payload = json.loads(runs_json.read_text())
+    by_column = {c.label: c for c in columns} | {c.name: c for c in columns}
+    head = [h for h in HEAD_COLUMNS if h in raw.columns]
+    names = payload.get("group_by") or [c for c in raw.columns if c not in head and c not in by_column]
+    absent = [k for k in ("run_id", *names) if k not in raw.columns]
+    if absent:
+        raise SystemExit(f"{runs_csv} lacks the columns {absent} that {runs_json.name} names")
+    per_run = raw[[*head, *names]].copy()
+    missing = []
+    for column in columns:
+        found = next((c for c in (column.label, column.name) if c in raw.columns), None)
+        if found is None:
+            missing.append(column.name)
+        per_run[column.label] = [float(v) if v else math.nan for v in raw[found]] if found else math.nan  # exact
     records = {r["run_id"]: r for r in payload["runs"]}
     run_data = [
         RunData(rid, records[rid]["run_name"], tuple(row), records[rid]["tags"], records[rid]["config"])
         for rid, row in zip(per_run["run_id"], per_run[names].itertuples(index=False, name=None), strict=True)
     ]
-    return TableRuns(run_data, per_run, names, payload["mlflow"])
+    return TableRuns(run_data, per_run, names, payload["mlflow"], int(payload.get("superseded", 0)), missing)
 
 
 def _write(
     experiment: str, out_dir: Path, columns: Sequence[Column], source: TableRuns, header: str, name: str | None
 ) -> list[Path]:
-    """The table's files: Markdown (key columns, then all), tidy CSVs (per arm and metric, per run, paired) and
-    the runs' configs and tags."""
+    """The table's files: Markdown (`_markdown`), tidy CSVs (per group and metric, per run, paired) and the runs'
+    configs and tags with the grouping keys."""
     per_run, names, run_data = source.per_run, source.names, source.run_data
     table = grouped(per_run, names, columns)
-    display = cells(table, names, columns)
     stem = name or experiment
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paired = _paired_section(per_run, names, columns, run_data)
+    lines = _markdown(header, stem, table, names, columns, paired[0] if paired is not None else [])
+    if paired is not None:
+        paired_frame = paired[1].assign(metric=paired[1]["metric"].map({c.label: c.name for c in columns}))
+        paired_frame.to_csv(out_dir / f"{stem}.paired.csv", index=False)
+    md, csv_grouped, csv_runs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv", out_dir / f"{stem}.runs.csv"
+    md.write_text("\n".join(lines) + "\n")
+    tidy_stats(table, names, columns).to_csv(csv_grouped, index=False)
+    tidy_runs(per_run, columns).to_csv(csv_runs, index=False)
+    configs = out_dir / f"{stem}.runs.json"
+    records = [{"run_id": r.run_id, "run_name": r.name, "tags": r.tags, "config": r.params} for r in run_data]
+    payload = {"mlflow": source.mlflow, "experiment": experiment, "group_by": names, "runs": records}
+    payload |= {"superseded": source.superseded} if source.superseded else {}
+    configs.write_text(json.dumps(_without_local_paths(payload), indent=1, sort_keys=True))
+    return [md, csv_grouped, csv_runs, configs, *([out_dir / f"{stem}.paired.csv"] if paired is not None else [])]
+
+
+def _markdown(
+    header: str, stem: str, table: pd.DataFrame, names: list[str], columns: Sequence[Column], paired: list[str]
+) -> list[str]:
+    """The table's Markdown lines: the key columns (with the paper's score), every column folded, notes, and the
+    paired sections."""
+    display = cells(table, names, columns)
     base = stem.rsplit("-", 1)[0]
     key = display[[*names, "runs", *key_labels(base, columns)]].copy()
     if base in PAPER_SCORES:
         key.insert(len(names) + 1, "paper", _paper_column(base, [tuple(r) for r in table[names].astype(str).values]))
+    groups = " and ".join(names) or "group"
     lines = [header, "", key.to_markdown(index=False), ""]
     lines += [
-        f"All {len(columns)} columns: below, and in [{stem}.csv]({stem}.csv) (one row per arm and metric, with n, mean "
-        f"and std; one row per run in [{stem}.runs.csv]({stem}.runs.csv)); each column's definition: [{CODEBOOK}]"
-        f"({CODEBOOK}).",
+        f"All {len(columns)} columns: below, and in [{stem}.csv]({stem}.csv) (one row per {groups} and metric, with n, "
+        f"mean and std; one row per run in [{stem}.runs.csv]({stem}.runs.csv)); each column's definition: "
+        f"[{CODEBOOK}]({CODEBOOK}).",
         "",
         f"<details><summary>all {len(columns)} columns</summary>",
         "",
@@ -347,21 +385,7 @@ def _write(
             f"paper: {PAPER_METRIC[base]} (approximate, from the paper's summary; not comparable in absolute "
             "value to our task accuracy: compare orderings and gaps to BF16).",
         ]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paired = _paired_section(per_run, names, columns, run_data)
-    if paired is not None:
-        lines += ["", *paired[0]]
-        paired_frame = paired[1].assign(metric=paired[1]["metric"].map({c.label: c.name for c in columns}))
-        paired_frame.to_csv(out_dir / f"{stem}.paired.csv", index=False)
-    md, csv_grouped, csv_runs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv", out_dir / f"{stem}.runs.csv"
-    md.write_text("\n".join(lines) + "\n")
-    tidy_stats(table, names, columns).to_csv(csv_grouped, index=False)
-    tidy_runs(per_run, columns).to_csv(csv_runs, index=False)
-    configs = out_dir / f"{stem}.runs.json"
-    records = [{"run_id": r.run_id, "run_name": r.name, "tags": r.tags, "config": r.params} for r in run_data]
-    payload = {"mlflow": source.mlflow, "experiment": experiment, "runs": records}
-    configs.write_text(json.dumps(_without_local_paths(payload), indent=1, sort_keys=True))
-    return [md, csv_grouped, csv_runs, configs, *([out_dir / f"{stem}.paired.csv"] if paired is not None else [])]
+    return lines + (["", *paired] if paired else [])
 
 
 def _paired_section(per_run: pd.DataFrame, names: list[str], columns: Sequence[Column], run_data: list[RunData]):

@@ -132,3 +132,18 @@ def test_the_band_of_a_share_stops_at_zero() -> None:
     (band,) = [c for c in ax.collections if isinstance(c, PolyCollection)]
     assert band.get_paths()[0].vertices[:, 1].min() == 0.0
     plt.close(fig)
+
+
+def test_bf16_on_another_axis_than_the_arm_is_no_reference_and_the_title_names_what_is_drawn() -> None:
+    from fp8rl.report.frames import RunData
+
+    tags = {"precision": "bf16", "recipe": "none", "clipping": "standard"}
+    groups = {
+        ("grpo", "bf16"): [RunData("a", "a", ("grpo", "bf16"), tags, {}, {})],
+        ("dapo", "bf16"): [RunData("b", "b", ("dapo", "bf16"), tags, {}, {})],
+    }
+    styles = figures.arm_styles(groups, ["algo", "precision"])  # the fallback axes: no arm axis
+    assert {s.column for s in styles.values()} == {figures.BF16_COLUMN}
+    assert styles["grpo", "bf16"].color != styles["dapo", "bf16"].color
+    title = figures._title("x", 2, figures.figure_columns(styles), styles)
+    assert title == "x: mean over seeds, band ± 1 sd (2 runs); one block; BF16 green solid"

@@ -293,11 +293,15 @@ def test_every_column_has_a_distinct_identifier_and_a_definition_in_the_index(st
     assert tidy_name("acc, BF16 eval (last 3)") == "acc_bf16_eval_last_3"
     assert tidy_name("step A<0 tokens") == "step_neg_tokens"
     assert tidy_name("clip/low_neg, steps K + 2 on") == "clip_low_neg_steps_k_plus_2_on"
+    assert set(tables.KEY_LABELS) <= {c.label for c in tables.TABLE_COLUMNS}
+    named: dict = {}
     for experiment in TABLE_EXPERIMENTS:
         columns = tables.columns_of(experiment)
         names = [c.name for c in columns]
         assert len(set(names)) == len(names), experiment
         assert all(re.fullmatch(r"[a-z0-9_]+", n) for n in names)
+        for column in columns:  # one name means one column in every table
+            assert named.setdefault(column.name, column) == column, column.name
         assert set(tables.key_labels(experiment, columns)) >= set(tables.EXTRA_KEY_LABELS.get(experiment, ()))
     main(["--tracking-uri", store, "--out", str(tmp_path), "table", "grpo_granularity"])
     main(["--tracking-uri", store, "--out", str(tmp_path), "index"])
@@ -317,13 +321,55 @@ def test_a_table_run_again_is_compared_run_by_run_in_every_column(store: str, tm
     tables.write_table("grpo_granularity-tiny", again, tracking_uri=store)
     per_run = pd.read_csv(again / "grpo_granularity-tiny.runs.csv", dtype=str, keep_default_na=False)
     per_run.loc[0, "peak_entropy"] = repr(float(per_run.loc[0, "peak_entropy"]) + 2.0**-40)  # one run, one column
+    per_run.loc[1, "surged"] = "-0.0"  # 0.0 in the published run: equal as numbers, not bit for bit
+    moved = per_run.loc[2, "seed"]
+    per_run.loc[2, "seed"] = "7"  # the published run of that seed has no counterpart; seed 7 is extra
     per_run.to_csv(again / "grpo_granularity-tiny.runs.csv", index=False)
     assert main(["--out", str(published), "reproduction", "grpo_granularity", "--again", str(again)]) == 0
     md = (published / "grpo_granularity-tiny.reproduction.md").read_text()
-    assert md.startswith("Table `grpo_granularity-tiny` run again: 5 of 6 run(s) give the published values in all 21")
-    rows = list(csv.DictReader(open(published / "grpo_granularity-tiny.reproduction.csv")))
-    differing = [r for r in rows if r["differing columns"] != "-"]
-    assert [(r["arm"], r["seed"], r["columns equal"], r["differing columns"]) for r in differing] == [
-        (per_run.loc[0, "arm"], per_run.loc[0, "seed"], "20", "peak_entropy")
-    ]
-    assert float(differing[0]["largest abs difference"]) == pytest.approx(2.0**-40, rel=0.01)
+    assert md.startswith(
+        "Table `grpo_granularity-tiny` run again: 3 of 6 published run(s) give the published values in all 21 per-run "
+        "columns, bit for bit; 1 have no run in the other table, which has 1 run(s) the published table lacks"
+    )
+    rows = {
+        (r["arm"], r["seed"]): r for r in csv.DictReader(open(published / "grpo_granularity-tiny.reproduction.csv"))
+    }
+    first, second = (rows[per_run.loc[i, "arm"], per_run.loc[i, "seed"]] for i in (0, 1))
+    assert (first["status"], first["columns_equal"], first["differing_columns"]) == ("different", "20", "peak_entropy")
+    assert float(first["largest_abs_difference"]) == pytest.approx(2.0**-40, rel=0.01)
+    assert (second["status"], second["differing_columns"]) == ("different", "surged")
+    assert rows[per_run.loc[2, "arm"], moved]["status"] == "missing"
+
+
+def test_a_table_run_again_with_two_runs_of_one_arm_and_seed_is_refused(store: str, tmp_path: Path) -> None:
+    published, again = tmp_path / "published", tmp_path / "again"
+    tables.write_table("grpo_granularity-tiny", published, tracking_uri=store)
+    tables.write_table("grpo_granularity-tiny", again, tracking_uri=store)
+    per_run = pd.read_csv(again / "grpo_granularity-tiny.runs.csv", dtype=str, keep_default_na=False)
+    pd.concat([per_run, per_run.iloc[:1]]).to_csv(again / "grpo_granularity-tiny.runs.csv", index=False)
+    with pytest.raises(SystemExit, match="several runs of one arm, seed"):
+        main(["--out", str(published), "reproduction", "grpo_granularity", "--again", str(again)])
+
+
+def test_a_per_run_file_with_a_column_added_or_removed_since_still_re_renders(store: str, tmp_path: Path) -> None:
+    tables.write_table("grpo_granularity-tiny", tmp_path, tracking_uri=store)
+    assert json.loads((tmp_path / "grpo_granularity-tiny.runs.json").read_text())["group_by"] == ["arm"]
+    per_run = pd.read_csv(tmp_path / "grpo_granularity-tiny.runs.csv", dtype=str, keep_default_na=False)
+    per_run = per_run.drop(columns="reward_mean").assign(old_metric="1.0")  # a column added, one removed since
+    per_run.to_csv(tmp_path / "grpo_granularity-tiny.runs.csv", index=False)
+    tables.rebuild_table("grpo_granularity-tiny", tmp_path)
+    md = (tmp_path / "grpo_granularity-tiny.md").read_text()
+    assert "have no values here (`-`): ['reward_mean']" in md.splitlines()[0]
+    assert "| bf16           |      3 |    57.6 |" in md and "old_metric" not in md  # still grouped by arm alone
+    assert "Per-seed paired differences against `bf16`" in md
+    rewritten = pd.read_csv(tmp_path / "grpo_granularity-tiny.runs.csv")
+    assert "old_metric" not in rewritten and rewritten["reward_mean"].isna().all()
+
+
+def test_a_group_of_one_run_has_no_std_in_the_csv(tmp_path: Path) -> None:
+    from fp8rl.report.frames import Column, RunData, grouped, runs_frame, tidy_stats
+
+    column = Column("a", "a")
+    run_data = [RunData(f"r{i}", "", (arm,), {}, {}, {"a": [(0, float(i))]}) for i, arm in enumerate("xyy")]
+    stats = tidy_stats(grouped(runs_frame(run_data, [column], ["arm"]), ["arm"], [column]), ["arm"], [column])
+    assert stats["n"].tolist() == [1, 2] and pd.isna(stats["std"].iloc[0]) and stats["std"].iloc[1] > 0
