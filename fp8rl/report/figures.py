@@ -58,7 +58,7 @@ METHOD_STYLE = {  # method -> (line style, legend name)
 }
 RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")  # the blocks' order
 BF16_COLUMN = "BF16 arms"  # the block of BF16-precision arms other than the reference (ablations, controls)
-REFERENCE = REFERENCE_ARM  # the arm drawn in every column
+REFERENCE = REFERENCE_ARM  # the arm drawn in every block
 REFERENCE_COLOR = "black"
 METHOD_COLOR = {"bf16": "tab:green", "fp8_rollout": "tab:purple", "fp8": "tab:red", "cc": "tab:blue"}
 ARM_COLORS = ("tab:orange", "tab:cyan", "tab:olive", "tab:brown", "tab:pink", "tab:gray")  # after a method's own colour
@@ -116,8 +116,8 @@ def _is_reference(group: tuple[str, ...], group_by: Sequence[str]) -> bool:
 
 
 def figure_columns(styles: dict[tuple, ArmStyle]) -> list[str]:
-    """The figure's columns: the recipes present in `RECIPES` order, then any other, then `BF16_COLUMN`; the reference
-    alone when it is the only arm."""
+    """The figure's blocks (each arm's `ArmStyle.column`): the recipes present in `RECIPES` order, then any other, then
+    `BF16_COLUMN`; the reference alone when it is the only arm."""
     present = {s.column for s in styles.values()} - {REFERENCE}
     known = [r for r in RECIPES if r in present]
     others = sorted(present - set(RECIPES) - {BF16_COLUMN})
